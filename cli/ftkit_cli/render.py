@@ -1,0 +1,221 @@
+"""What the ``ftkit`` command shows: live progress and the verdict table.
+
+Everything here is a rich renderable or feeds one; nothing formats strings for ``print``.
+Progress goes to a stderr console, the verdict report to a stdout console, so that
+``ftkit run ... > verdicts.txt`` keeps only the verdicts. Scenario names, messages and error
+texts are always rendered as plain ``Text``, never as markup: a ``[`` in a reason is shown as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from ftkit.events import ProgressEvent
+from ftkit.results import ScenarioResult, Verdict
+
+__all__ = [
+    "VERDICT_STYLES",
+    "RunProgress",
+    "VerdictReport",
+    "error_lines",
+    "verdict_table",
+    "verdict_text",
+]
+
+#: How each verdict is shown: (label, style).
+VERDICT_STYLES: dict[Verdict, tuple[str, str]] = {
+    Verdict.PASS: ("PASS", "bold green"),
+    Verdict.FAIL: ("FAIL", "bold red"),
+    Verdict.NOT_APPLIED: ("NOT APPLIED", "bold yellow"),
+    Verdict.ERROR: ("ERROR", "bold magenta"),
+}
+
+_NONE = "-"
+
+
+def verdict_text(verdict: Verdict | str) -> Text:
+    """The verdict's label in its colour.
+
+    PASS green, FAIL red, NOT APPLIED yellow, ERROR magenta.
+    """
+    label, style = VERDICT_STYLES[Verdict(verdict)]
+    return Text(label, style=style)
+
+
+def error_lines(message: str) -> list[Text]:
+    """One red line per line of an error message (a ScenarioError may hold several)."""
+    return [Text(line, style="red") for line in str(message).splitlines() if line.strip()]
+
+
+# --- the verdict report ---------------------------------------------------------------------
+
+def verdict_table(results: Sequence[ScenarioResult]) -> Table:
+    """One row per scenario.
+
+    Columns: scenario, verdict, requests, tokens (compared), divergence (the first, as
+    "req R tok T"), faults (fired/planned), re-inferences, recovery (total seconds).
+    """
+    table = Table(title="ftkit verdicts", title_justify="left")
+    table.add_column("scenario", overflow="fold", min_width=12)
+    table.add_column("verdict", no_wrap=True)
+    for header in ("requests", "tokens", "divergence", "faults", "re-inferences", "recovery"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for result in results:
+        table.add_row(
+            Text(result.name),
+            verdict_text(result.verdict),
+            str(len(result.requests)),
+            str(result.tokens_compared),
+            _divergence_cell(result),
+            _faults_cell(result),
+            str(result.reinferences),
+            _recovery_cell(result),
+        )
+    return table
+
+
+def _divergence_cell(result: ScenarioResult) -> str:
+    divergence = result.first_divergence
+    return _NONE if divergence is None else f"req {divergence[0]} tok {divergence[1]}"
+
+
+def _faults_cell(result: ScenarioResult) -> str:
+    fired = sum(1 for f in result.faults if f.fired)
+    return f"{fired}/{len(result.faults)}"
+
+
+def _recovery_cell(result: ScenarioResult) -> str:
+    return f"{result.recovery_s:.3f} s" if result.recoveries else _NONE
+
+
+class VerdictReport:
+    """The final report: the verdict table, the reason of every non-pass, a summary line."""
+
+    def __init__(self, results: Sequence[ScenarioResult]) -> None:
+        self.results = list(results)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield verdict_table(self.results)
+        for result in self.results:
+            if Verdict(result.verdict) is not Verdict.PASS:
+                yield Text.assemble(verdict_text(result.verdict), " ", (result.name, "bold"),
+                                    ": ", result.reason or "(no reason given)")
+        yield self.summary()
+
+    def summary(self) -> Text:
+        counts = {v: 0 for v in Verdict}
+        for result in self.results:
+            counts[Verdict(result.verdict)] += 1
+        parts: list[Text | str] = []
+        for verdict, count in counts.items():
+            if count:
+                label, style = VERDICT_STYLES[verdict]
+                parts.extend([Text(f"{count} {label.lower()}", style=style), ", "])
+        total_s = sum(r.duration_s for r in self.results)
+        return Text.assemble(*parts[:-1], f" ({len(self.results)} scenario(s), {total_s:.1f} s)")
+
+
+# --- live progress --------------------------------------------------------------------------
+
+class RunProgress:
+    """A live progress display for a series of scenarios, fed by ``ProgressEvent``.
+
+    Use as a context manager; call ``start(name)`` before a scenario, pass the object itself
+    as the runner's ``on_event`` sink, and ``finish(result)`` when the scenario has a verdict.
+    Faults and recoveries are printed as lines above the bars (so they stay in CI logs); with
+    ``verbose`` every event is. The bars are transient: only the lines remain afterwards.
+    """
+
+    def __init__(self, console: Console, *, total: int, verbose: bool = False) -> None:
+        self.console = console
+        self.verbose = verbose
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}", markup=False),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}", markup=False),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            # Bars only on a terminal; a CI log gets the event lines alone.
+            disable=not console.is_terminal,
+        )
+        self._total = total
+        self._overall: TaskID | None = None
+        self._task: TaskID | None = None
+        self._name = ""
+
+    def __enter__(self) -> RunProgress:
+        self._progress.start()
+        self._overall = self._progress.add_task("scenarios", total=self._total, status="")
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._progress.stop()
+
+    def start(self, name: str) -> None:
+        """A scenario begins: show a bar for its tokens."""
+        self._name = name
+        self._task = self._progress.add_task(name, total=None, status="loading")
+
+    def __call__(self, event: ProgressEvent) -> None:
+        if self.verbose:
+            self._line(event.stage, event.message or _token_count(event), "dim")
+        if self._task is None:
+            return
+        if event.stage == "tokens":
+            self._progress.update(self._task, completed=event.tokens_done,
+                                  total=event.tokens_total or None, status="generating")
+        elif event.stage in _STATUS:
+            self._progress.update(self._task, status=event.message or _STATUS[event.stage])
+        if not self.verbose and event.stage in _LOGGED:
+            label, style = _LOGGED[event.stage]
+            self._line(label, event.message, style)
+
+    def finish(self, result: ScenarioResult) -> None:
+        """A scenario has its verdict: drop its bar and print one line for it."""
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+            self._task = None
+        if self._overall is not None:
+            self._progress.advance(self._overall)
+        self.console.print(Text.assemble(verdict_text(result.verdict), " ", result.name,
+                                         f" ({result.duration_s:.1f} s)"))
+
+    def _line(self, label: str, message: str, style: str) -> None:
+        self.console.print(Text.assemble(("  " + label, style), f" {self._name}: ", message),
+                           soft_wrap=True)
+
+
+_STATUS = {
+    "baseline": "baseline",
+    "engine_start": "starting engine",
+    "engine_ready": "engine ready",
+    "done": "done",
+}
+
+_LOGGED = {
+    "fault": ("fault fired", "yellow"),
+    "recovery": ("recovery", "cyan"),
+}
+
+
+def _token_count(event: ProgressEvent) -> str:
+    return f"{event.tokens_done}/{event.tokens_total} tokens" if event.tokens_total else ""
+

@@ -1,0 +1,162 @@
+"""The CPU backend: gloo collectives that a peer's fault can really block and a stop can
+really unblock, and a link fault model faithful to what HCCL does on Ascend.
+
+* A collective is issued asynchronously and waited for in short slices; between slices the
+  stop flag is read. The fault-free cost is one asynchronous issue and one wait, the same
+  gloo work as a blocking call.
+* ``break_link()`` models a broken collective link on this rank: every collective raises
+  ``LinkError`` (torch_npu's "SUSPECT REMOTE ERROR" text) *without entering*, so the peers
+  block in it for real, until the link is rebuilt.
+* ``stop_communication()`` (monitor thread) makes the blocked wait raise
+  ``CommunicationStopped`` within one slice; the abandoned work stays on the old group, which
+  ``rebuild_communicators()`` aborts and replaces with a new gloo group on every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftkit.backends.base import CommGroup
+from ftkit.faults import CommunicationStopped, LinkError
+from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S
+
+log = logging.getLogger("ftkit")
+
+_SLICE = timedelta(seconds=COLLECTIVE_STOP_SLICE_S)
+
+
+class AbortableCollectives:
+    """Stands in for ``torch.distributed`` as a communicator's ``dist_module``.
+
+    Only the collectives vLLM's CPU communicator calls are provided; anything else raises
+    ``AttributeError`` at once rather than bypassing the stop logic.
+    """
+
+    def __init__(self, backend: CpuBackend) -> None:
+        self._backend = backend
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
+        self._backend.run_collective("all_reduce", lambda: dist.all_reduce(
+            tensor, op=op, group=group, async_op=True))
+
+    def gather(self, tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None) -> None:
+        self._backend.run_collective("gather", lambda: dist.gather(
+            tensor, gather_list, dst=dst, group=group, async_op=True))
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input_: torch.Tensor,
+                               group=None) -> None:
+        self._backend.run_collective("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(
+            output, input_, group=group, async_op=True))
+
+    def all_gather(self, tensor_list, tensor: torch.Tensor, group=None) -> None:
+        self._backend.run_collective("all_gather", lambda: dist.all_gather(
+            tensor_list, tensor, group=group, async_op=True))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input_: torch.Tensor,
+                              op=dist.ReduceOp.SUM, group=None) -> None:
+        self._backend.run_collective("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(
+            output, input_, op=op, group=group, async_op=True))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, group=None) -> None:
+        self._backend.run_collective("broadcast", lambda: dist.broadcast(
+            tensor, src=src, group=group, async_op=True))
+
+
+class CpuBackend:
+    """Backend for vLLM's CPU platform (gloo)."""
+
+    name = "cpu"
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._groups: list[CommGroup] = []
+        self._stopped = threading.Event()
+        self._link_down: str | None = None
+        self.collectives = AbortableCollectives(self)
+        #: Collectives issued since the last ``reset_counter`` (for step-level injection).
+        self.collectives_issued = 0
+
+    # --- taking over ------------------------------------------------------------------------
+
+    def take_over(self, groups: list[CommGroup]) -> None:
+        self._groups = [g for g in groups if len(g.ranks) > 1]
+        for g in self._groups:
+            comm = g.communicator
+            if comm is not None and hasattr(comm, "dist_module"):
+                # vLLM's shared-memory all-reduce spins in C++ and cannot be interrupted;
+                # recovery needs collectives that a stop can abandon.
+                comm.dist_module = self.collectives
+                if hasattr(comm, "supports_tensor_dict"):
+                    comm.supports_tensor_dict = False
+
+    # --- the fault model --------------------------------------------------------------------
+
+    def break_link(self, detail: str) -> None:
+        """From now until the next rebuild, this rank's collectives fail without entering."""
+        self._link_down = detail
+
+    @property
+    def link_is_down(self) -> bool:
+        return self._link_down is not None
+
+    def run_collective(self, op: str, issue) -> None:
+        self.collectives_issued += 1
+        if self._link_down is not None:
+            raise LinkError(f"{self._link_down} (rank {self.rank}, {op})")
+        if self._stopped.is_set():
+            raise CommunicationStopped(f"rank {self.rank}: {op} stopped: a peer failed")
+        work = issue()
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+            if self._stopped.is_set():
+                # Abandon the work: its group is aborted and replaced by the rebuild.
+                raise CommunicationStopped(f"rank {self.rank}: {op} stopped while blocked: "
+                                           "a peer failed")
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    def stop_communication(self) -> None:
+        self._stopped.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def recover_device(self, kinds: tuple[str, ...]) -> None:
+        # Link faults need no device work on CPU: the rebuild repairs them.
+        if "oom" in kinds:
+            gc.collect()
+
+    def rebuild_communicators(self, timeout_s: float) -> None:
+        for g in self._groups:
+            old_cpu, old_dev = g.current_groups()
+            for pg in {id(old_cpu): old_cpu, id(old_dev): old_dev}.values():
+                _abort_quietly(pg)
+            timeout = timedelta(seconds=timeout_s)
+            new_cpu = dist.new_group(g.ranks, backend="gloo", timeout=timeout)
+            new_dev = new_cpu if old_dev is old_cpu else dist.new_group(
+                g.ranks, backend="gloo", timeout=timeout)
+            g.replace_groups(new_cpu, new_dev)
+        self._link_down = None
+        self._stopped.clear()
+
+
+def _abort_quietly(pg: Any) -> None:
+    if pg is None:
+        return
+    try:
+        pg.abort()
+    except Exception as exc:  # an already broken group may refuse; it is dropped anyway
+        log.debug("abort of %r failed: %s", pg, exc)

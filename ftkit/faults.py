@@ -1,0 +1,132 @@
+"""The fault taxonomy: which faults ftkit knows, and how a raised exception is classified.
+
+Two kinds of exceptions meet here:
+
+* the errors real devices and networks raise (torch_npu's ``RuntimeError`` texts such as
+  ``"FORCE STOP"`` or ``"SUSPECT REMOTE ERROR"``), and
+* the errors ftkit's CPU backend raises to model them (``LinkError``, ``ForceStopError`` ...),
+  which carry the same texts so that both are classified by one function.
+
+``classify`` looks at the exception type first and at the message second, and returns the
+``FaultKind`` the recovery engine should handle, or ``None`` for an error that is not a
+transient fault (a bug, a bad request): those are never retried.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FaultKind(str, enum.Enum):
+    """The faults a scenario can inject and the recovery engine can handle."""
+
+    LINK_BREAK = "link_break"
+    LINK_FLAP = "link_flap"
+    DEVICE_RESET = "device_reset"
+    UCE = "uce"
+    HANG = "hang"
+    OOM = "oom"
+    PROCESS_KILL = "process_kill"
+
+    def __str__(self) -> str:  # "link_flap", not "FaultKind.LINK_FLAP", in messages
+        return self.value
+
+
+@dataclass(frozen=True)
+class KindInfo:
+    kind: FaultKind
+    summary: str
+    implemented: bool
+    #: The fault is about a collective link, so it needs at least two ranks.
+    collective: bool = False
+
+
+KINDS: dict[FaultKind, KindInfo] = {
+    info.kind: info
+    for info in (
+        KindInfo(FaultKind.LINK_BREAK, "the collective link of one rank breaks once: it raises "
+                 "a network error, its peers block in the collective until recovery stops them",
+                 implemented=True, collective=True),
+        KindInfo(FaultKind.LINK_FLAP, "a link break that repeats on `times` consecutive "
+                 "attempts of the same step", implemented=True, collective=True),
+        KindInfo(FaultKind.DEVICE_RESET, "the device is force-stopped and restarted; its KV "
+                 "cache is lost", implemented=False),
+        KindInfo(FaultKind.UCE, "an uncorrectable HBM memory error in the KV cache, the weights "
+                 "or the activations", implemented=False),
+        KindInfo(FaultKind.HANG, "an operator never returns until an operator timeout or the "
+                 "monitor ends it", implemented=False),
+        KindInfo(FaultKind.OOM, "an allocation fails inside the step (the out-of-memory "
+                 "error class); what can be released is released and the step re-run",
+                 implemented=True),
+        KindInfo(FaultKind.PROCESS_KILL, "a worker or the engine core is killed with SIGKILL; "
+                 "the engine restarts and resumes requests", implemented=False),
+    )
+}
+
+IMPLEMENTED_KINDS = frozenset(k for k, info in KINDS.items() if info.implemented)
+
+
+# --- the errors the CPU backend raises, modelled on torch_npu's -----------------------------
+
+class SimulatedFault(RuntimeError):
+    """Base of the errors ftkit's CPU backend raises to model a device or network fault."""
+
+    kind: FaultKind
+
+
+class LinkError(SimulatedFault):
+    """A collective's link is down: what HCCL reports as a remote error."""
+
+    kind = FaultKind.LINK_BREAK
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"SUSPECT REMOTE ERROR: {detail}")
+
+
+class CommunicationStopped(RuntimeError):
+    """Raised on a healthy rank whose collective was stopped because a peer failed.
+
+    It is not a fault of this rank: the recovery engine joins the peer's recovery.
+    """
+
+
+# --- classification -------------------------------------------------------------------------
+
+# torch_npu error texts (DESIGN.md), most specific first.
+_TEXT_RULES: tuple[tuple[str, FaultKind], ...] = (
+    ("SUSPECT REMOTE ERROR", FaultKind.LINK_BREAK),
+    ("HCCL OP RETRY FAILED", FaultKind.LINK_BREAK),
+    ("HCCS_LINK_EXIT", FaultKind.LINK_BREAK),
+    ("SUSPECT_REMOTE_EXIT", FaultKind.LINK_BREAK),
+    ("HCCL_OP_RETRY_EXIT", FaultKind.LINK_BREAK),
+    ("FORCE STOP", FaultKind.DEVICE_RESET),
+    ("UCE ERROR", FaultKind.UCE),
+    ("UCE_EXIT", FaultKind.UCE),
+    ("SUSPECT MEM ERROR", FaultKind.UCE),
+    ("ECC ERROR", FaultKind.UCE),
+)
+
+
+def classify(exc: BaseException) -> FaultKind | None:
+    """The fault kind an exception stands for, or ``None`` if it is not a transient fault.
+
+    The exception type decides first (ftkit's own simulated faults, out-of-memory errors);
+    then the message is matched, case-sensitively, against torch_npu's error texts.
+    """
+    if isinstance(exc, SimulatedFault):
+        return exc.kind
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return FaultKind.OOM
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    for needle, kind in _TEXT_RULES:
+        if needle in text:
+            return kind
+    return None
+
+
+def is_peer_stop(exc: BaseException) -> bool:
+    """True when the exception only says that a peer's fault stopped this rank."""
+    return isinstance(exc, CommunicationStopped)

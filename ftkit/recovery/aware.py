@@ -1,0 +1,171 @@
+"""FaultAware: the background monitor and the step gate of one rank.
+
+The monitor thread waits (event driven, on the side channel) for the announcement of the
+next recovery round. When one comes it either
+
+* stops this rank's communication, if the main thread is inside a step: the step's blocked
+  or next collective raises ``CommunicationStopped`` and the main thread joins the round; or
+* takes part in the round itself, if the main thread is between steps, holding the step gate
+  shut so that no step starts while communicators are being rebuilt.
+
+The monitor survives every round, whatever its decision, and every one of its waits is
+bounded; an unexpected error in it is logged and the loop goes on (the earlier design's
+monitor died on its first distributed error and left later faults uncoordinated).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ftkit.errors import RecoveryError
+from ftkit.recovery.config import MONITOR_WAKE_S
+from ftkit.recovery.coordinator import (
+    Action,
+    Coordinator,
+    Decision,
+    RankState,
+    RankStatus,
+    RpcKind,
+    SideChannel,
+    trigger_key,
+)
+
+log = logging.getLogger("ftkit")
+
+RoundListener = Callable[[int, RankStatus, Decision, float, float], None]
+
+
+class FaultAware:
+    """Shared state between the main thread (steps) and the monitor thread (rounds)."""
+
+    def __init__(self, coordinator: Coordinator, *, main_channel: SideChannel,
+                 channel_factory: Callable[[], SideChannel] | None,
+                 stop_communication: Callable[[], None],
+                 on_round: RoundListener | None = None) -> None:
+        self.coordinator = coordinator
+        self._main_channel = main_channel
+        self._channel_factory = channel_factory
+        self._stop_communication = stop_communication
+        self._on_round = on_round
+        self._cond = threading.Condition()
+        self.epoch = 0
+        self._in_step = False
+        self._owner: str | None = None  # "main" | "monitor" while a round is being run
+        self._pending: int | None = None  # epoch announced while the main thread was in a step
+        self._failed: Decision | None = None  # a round ended in "raise": the rank is done
+        self._rpc = 0  # counter of the RPC in flight or last completed
+        self._rpc_kind = RpcKind.NONE
+        self._step = 0
+        self._shutdown = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._channel_factory is None or self.coordinator.world_size == 1:
+            return  # a world of one has nobody to announce faults to it
+        self._thread = threading.Thread(target=self._monitor, name="ftkit-monitor", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._shutdown.set()
+
+    # --- main thread --------------------------------------------------------------------------
+
+    def enter_step(self, rpc: int, rpc_kind: RpcKind, step: int, timeout_s: float) -> None:
+        """Called before each attempt of a step RPC; waits while the monitor runs a round."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._owner != "monitor", timeout_s):
+                raise RecoveryError(f"recovery round {self.epoch} did not finish within "
+                                    f"{timeout_s:g} s")
+            if self._failed is not None:
+                raise RecoveryError(f"an earlier recovery round failed: {self._failed.reason}")
+            self._in_step = True
+            self._rpc, self._rpc_kind, self._step = rpc, rpc_kind, step
+
+    def exit_step_ok(self) -> Decision | None:
+        """Called when a step RPC returned. Joins a round announced meanwhile, if any."""
+        with self._cond:
+            self._in_step = False
+            epoch = self._pending
+            if epoch is None:
+                return None
+            self._pending = None
+            self._owner = "main"
+        status = RankStatus(self.coordinator.rank, RankState.COMPLETED, self._rpc,
+                            self._rpc_kind, self._step)
+        return self._run_round(self._main_channel, epoch, status, owner="main")
+
+    def join_after_failure(self, status: RankStatus) -> Decision:
+        """Called by the main thread when its step raised: runs this rank's part of the round."""
+        with self._cond:
+            epoch = self.epoch if self._pending is None else self._pending
+            self._pending = None
+            self._in_step = False
+            self._owner = "main"
+        return self._run_round(self._main_channel, epoch, status, owner="main")
+
+    # --- monitor thread -------------------------------------------------------------------------
+
+    def _monitor(self) -> None:
+        assert self._channel_factory is not None
+        channel = self._channel_factory()
+        while not self._shutdown.is_set():
+            try:
+                self._watch_once(channel)
+            except Exception:  # noqa: BLE001 - the monitor must outlive any one round
+                log.exception("ftkit monitor: error while watching for faults; continuing")
+                time.sleep(0.1)
+
+    def _watch_once(self, channel: SideChannel) -> None:
+        with self._cond:
+            epoch = self.epoch
+        if not channel.wait([trigger_key(epoch)], MONITOR_WAKE_S):
+            return
+        with self._cond:
+            if self.epoch != epoch or self._owner == "main" or self._pending == epoch:
+                # The main thread runs (or will run) this round; wait until it is over.
+                self._cond.wait_for(lambda: self.epoch != epoch or self._shutdown.is_set(),
+                                    MONITOR_WAKE_S)
+                return
+            if self._in_step:
+                self._pending = epoch
+                self._stop_communication()
+                self._cond.wait_for(lambda: self.epoch != epoch or self._shutdown.is_set(),
+                                    MONITOR_WAKE_S)
+                return
+            self._owner = "monitor"
+        status = RankStatus(self.coordinator.rank, RankState.IDLE, self._rpc, self._rpc_kind,
+                            self._step)
+        decision = self._run_round(channel, epoch, status, owner="monitor")
+        if not decision.recompute:
+            log.error("ftkit: recovery round %d decided to raise: %s", epoch, decision.reason)
+
+    # --- one round ------------------------------------------------------------------------------
+
+    def _run_round(self, channel: SideChannel, epoch: int, status: RankStatus,
+                   owner: str) -> Decision:
+        started = time.monotonic()
+        wall = time.time()
+        try:
+            decision = self.coordinator.participate(channel, epoch, status)
+        except Exception as exc:  # noqa: BLE001 - a broken round is a clean failure
+            decision = Decision(Action.RAISE, f"recovery round {epoch} failed on rank "
+                                f"{self.coordinator.rank}: {type(exc).__name__}: {exc}")
+        duration = time.monotonic() - started
+        with self._cond:
+            if not decision.recompute:
+                self._failed = decision
+            self.epoch = epoch + 1
+            if self._owner == owner:
+                self._owner = None
+            self._cond.notify_all()
+        if self._on_round is not None:
+            try:
+                self._on_round(epoch, status, decision, duration, wall)
+            except Exception:  # noqa: BLE001 - recording must never break recovery
+                log.exception("ftkit: recording recovery round %d failed", epoch)
+        return decision

@@ -1,0 +1,266 @@
+"""Cross-rank agreement: every rank reports where it stands, all reach the same decision.
+
+A *recovery round* starts when a rank's step fails (its own fault) and announces it on the
+side channel. Every rank then takes part exactly once, from wherever it is:
+
+* a rank whose step failed reports ``failed`` with the fault kind;
+* a rank whose collective was stopped because of the announcement reports ``stopped``;
+* a rank that finished its step while the round was pending reports ``completed``;
+* a rank that was between steps reports ``idle`` (its monitor thread answers for it).
+
+Each report carries the rank's position in the stream of step RPCs that the executor sends
+to every rank in the same order (``execute_model`` and ``sample_tokens`` each count one).
+``decide`` is a pure function of the reports, so all ranks, reading the same reports, reach the
+same decision without another exchange: re-run (``recompute``) or surface the fault (``raise``).
+
+Re-running is exact only when the ranks will issue the same collectives afterwards. Collectives
+live in ``execute_model`` only (sampling is rank-local in vLLM), so ranks may stand one RPC apart
+as long as the one behind is at a sampling RPC or idle. Anything else is refused with a reason
+rather than risking desynchronised collectives.
+
+The side channel is a key-value store (the job's TCP store), not a process group: it has no
+collective sequence to desynchronise, every wait on it has a timeout, and a lost peer turns into
+a timeout, that is, into a clean ``raise``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Protocol
+
+from ftkit.faults import KINDS, FaultKind
+
+
+class RankState(str, enum.Enum):
+    FAILED = "failed"
+    STOPPED = "stopped"
+    COMPLETED = "completed"
+    IDLE = "idle"
+
+
+class RpcKind(str, enum.Enum):
+    EXECUTE = "execute"
+    SAMPLE = "sample"
+    NONE = ""
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What one rank reports in a round.
+
+    ``rpc`` is the counter of the RPC in flight (``failed``/``stopped``) or of the last RPC
+    this rank completed (``completed``/``idle``). ``failures`` counts the consecutive failed
+    attempts of the RPC in flight, this one included.
+    """
+
+    rank: int
+    state: RankState
+    rpc: int
+    rpc_kind: RpcKind = RpcKind.NONE
+    step: int = 0
+    failures: int = 0
+    kind: str | None = None
+    error: str = ""
+
+    @property
+    def reruns(self) -> bool:
+        return self.state in (RankState.FAILED, RankState.STOPPED)
+
+    @property
+    def next_rpc(self) -> int:
+        """The RPC this rank will execute next if the round decides to recompute."""
+        return self.rpc if self.reruns else self.rpc + 1
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["state"] = self.state.value
+        d["rpc_kind"] = self.rpc_kind.value
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RankStatus:
+        d = json.loads(text)
+        d["state"] = RankState(d["state"])
+        d["rpc_kind"] = RpcKind(d["rpc_kind"])
+        return cls(**d)
+
+
+class Action(str, enum.Enum):
+    RECOMPUTE = "recompute"
+    RAISE = "raise"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    #: Fault kinds reported as own faults in this round (for device recovery and records).
+    kinds: tuple[str, ...] = ()
+    statuses: tuple[RankStatus, ...] = field(default=(), compare=False)
+
+    @property
+    def recompute(self) -> bool:
+        return self.action is Action.RECOMPUTE
+
+
+def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
+    """The round's decision. Pure: the same reports give the same decision on every rank."""
+    statuses = tuple(sorted(statuses, key=lambda s: s.rank))
+    kinds = tuple(sorted({s.kind for s in statuses if s.state is RankState.FAILED and s.kind}))
+
+    def verdict(action: Action, reason: str) -> Decision:
+        return Decision(action, reason, kinds, statuses)
+
+    failed = [s for s in statuses if s.state is RankState.FAILED]
+    if not failed and not any(s.state is RankState.STOPPED for s in statuses):
+        # Nobody reports a failure: an announcement without a fault (cannot happen unless a
+        # rank died between announcing and reporting). Re-running nothing is harmless.
+        return verdict(Action.RECOMPUTE, "no rank reports a failure")
+    for s in failed:
+        if s.kind is None:
+            return verdict(Action.RAISE, f"rank {s.rank}: error is not a transient fault: {s.error}")
+    for s in statuses:
+        if s.reruns and s.failures > max_reinference:
+            return verdict(
+                Action.RAISE,
+                f"rank {s.rank}: step {s.step} ({s.rpc_kind.value}) failed {s.failures} times; "
+                f"max_reinference is {max_reinference}",
+            )
+    newest = max(s.next_rpc for s in statuses)
+    for s in statuses:
+        if s.next_rpc == newest:
+            continue
+        behind_at_collectives = s.reruns and s.rpc_kind is RpcKind.EXECUTE
+        if s.next_rpc < newest - 1 or behind_at_collectives:
+            return verdict(
+                Action.RAISE,
+                f"ranks are out of step: rank {s.rank} would re-run RPC {s.next_rpc} "
+                f"({s.rpc_kind.value or 'idle'}) while another rank is at RPC {newest}; "
+                "its collectives have no partner",
+            )
+    what = ", ".join(f"rank {s.rank} {s.state.value}" for s in statuses)
+    return verdict(Action.RECOMPUTE, what)
+
+
+# --- the side channel -------------------------------------------------------------------------
+
+class SideChannel(Protocol):
+    """A key-value store every rank reaches. Each thread uses its own client."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def wait(self, keys: list[str], timeout_s: float) -> bool: ...
+    def has(self, key: str) -> bool: ...
+
+
+class StoreChannel:
+    """A ``SideChannel`` over a ``torch.distributed`` store (a private client of it)."""
+
+    def __init__(self, store, prefix: str = "ftkit/") -> None:
+        import torch.distributed as dist
+
+        self._store = dist.PrefixStore(prefix, store)
+
+    def set(self, key: str, value: str) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def wait(self, keys: list[str], timeout_s: float) -> bool:
+        import torch.distributed as dist
+
+        try:
+            self._store.wait(keys, timedelta(seconds=timeout_s))
+            return True
+        except dist.DistStoreError as exc:
+            if "timeout" in str(exc).lower():
+                return False
+            raise
+
+    def has(self, key: str) -> bool:
+        return self._store.check([key])
+
+
+class MemoryChannel:
+    """An in-process ``SideChannel`` for a world of one (and for unit tests)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+
+    def set(self, key: str, value: str) -> None:
+        with self._cond:
+            self._data[key] = value.encode()
+            self._cond.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self._cond:
+            return self._data[key]
+
+    def wait(self, keys: list[str], timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: all(k in self._data for k in keys), timeout_s)
+
+    def has(self, key: str) -> bool:
+        with self._cond:
+            return key in self._data
+
+
+def trigger_key(epoch: int) -> str:
+    return f"round/{epoch}/trigger"
+
+
+class Coordinator:
+    """Runs one rank's part of a recovery round over a side channel."""
+
+    def __init__(self, rank: int, world_size: int, *, max_reinference: int,
+                 round_timeout_s: float, rebuild: Callable[[Decision], None]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.max_reinference = max_reinference
+        self.round_timeout_s = round_timeout_s
+        self._rebuild = rebuild
+
+    def participate(self, channel: SideChannel, epoch: int, status: RankStatus) -> Decision:
+        """Report, wait for every rank's report, decide, rebuild, and wait for all to finish.
+
+        Every wait is bounded by ``round_timeout_s``; a rank that does not report in time
+        makes the decision ``raise`` on the ranks that waited for it.
+        """
+        base = f"round/{epoch}"
+        channel.set(f"{base}/status/{self.rank}", status.to_json())
+        channel.set(trigger_key(epoch), str(self.rank))
+        keys = [f"{base}/status/{r}" for r in range(self.world_size)]
+        if not channel.wait(keys, self.round_timeout_s):
+            missing = [r for r, k in enumerate(keys) if not channel.has(k)]
+            return Decision(Action.RAISE, f"rank(s) {missing} did not report within "
+                            f"{self.round_timeout_s:g} s", (), (status,))
+        statuses = [RankStatus.from_json(channel.get(k)) for k in keys]
+        decision = decide(statuses, self.max_reinference)
+        if decision.recompute:
+            self._rebuild(decision)
+        channel.set(f"{base}/done/{self.rank}", decision.action.value)
+        done = [f"{base}/done/{r}" for r in range(self.world_size)]
+        if not channel.wait(done, self.round_timeout_s):
+            return Decision(Action.RAISE, f"peers did not finish round {epoch} within "
+                            f"{self.round_timeout_s:g} s", decision.kinds, decision.statuses)
+        return decision
+
+
+def is_collective_kind(kind: str | None) -> bool:
+    try:
+        return kind is not None and KINDS[FaultKind(kind)].collective
+    except ValueError:
+        return False
+
+
+def monotonic() -> float:
+    return time.monotonic()

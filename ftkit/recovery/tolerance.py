@@ -1,0 +1,126 @@
+"""FaultTolerance: token-level re-inference around one rank's step.
+
+vLLM runs a step as two RPCs on every rank: ``execute_model`` (forward, collectives) and then
+``sample_tokens`` (rank-local sampling). ``FaultTolerance`` wraps both. For each RPC it
+
+1. records what the RPC is about to change (``StepState.begin_*``: cheap, proportional to
+   the requests the step schedules),
+2. runs it; if it raises, classifies the error and joins a recovery round with every rank
+   (``FaultAware``): detect, stop, recover the device, rebuild communicators, agree,
+3. on ``recompute``: restores the recorded state and runs the same RPC again, up to
+   ``max_reinference`` times; on ``raise``: surfaces the error to the engine.
+
+The fault-free path adds no collective and no device synchronisation: one record, one call,
+two lock acquisitions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ftkit.errors import ReinferenceExhausted, RecoveryError
+from ftkit.faults import classify, is_peer_stop
+from ftkit.recovery.aware import FaultAware
+from ftkit.recovery.coordinator import RankState, RankStatus, RpcKind
+
+log = logging.getLogger("ftkit")
+
+
+class StepState(Protocol):
+    """What the recovery engine needs from the model runner (given by ``ftkit.vllm``)."""
+
+    def begin_execute(self, scheduler_output: Any) -> Any: ...
+    def rollback_execute(self, record: Any) -> None: ...
+    def begin_sample(self) -> Any: ...
+    def rollback_sample(self, record: Any) -> None: ...
+
+
+class StepHook(Protocol):
+    """Something that wants to see each attempt (the fault injector)."""
+
+    def on_attempt(self, rpc_kind: RpcKind, step: int, attempt: int, payload: Any) -> None: ...
+    def on_recovered(self, rpc_kind: RpcKind, step: int, failures: int,
+                     recovery_s: float) -> None: ...
+
+
+class FaultTolerance:
+    def __init__(self, *, rank: int, aware: FaultAware, state: StepState,
+                 gate_timeout_s: float, hooks: list[StepHook] | None = None,
+                 recovery_enabled: bool = True) -> None:
+        self.rank = rank
+        #: With recovery off the hooks (fault injection) still run and every error surfaces
+        #: as it would without ftkit: the behaviour a scenario compares against.
+        self.recovery_enabled = recovery_enabled
+        self.aware = aware
+        self.state = state
+        self.gate_timeout_s = gate_timeout_s
+        self.hooks: list[StepHook] = list(hooks or [])
+        self.rpc = 0  # RPCs received (execute and sample), the same count on every rank
+        self.step = 0  # execute_model calls received
+
+    def execute_model(self, call: Callable[[Any], Any], scheduler_output: Any) -> Any:
+        self.step += 1
+        record = self.state.begin_execute(scheduler_output)
+        return self._run(RpcKind.EXECUTE, call, scheduler_output, record,
+                         self.state.rollback_execute)
+
+    def sample_tokens(self, call: Callable[[Any], Any], grammar_output: Any) -> Any:
+        record = self.state.begin_sample()
+        return self._run(RpcKind.SAMPLE, call, grammar_output, record,
+                         self.state.rollback_sample)
+
+    def _run(self, rpc_kind: RpcKind, call: Callable[[Any], Any], arg: Any, record: Any,
+             rollback: Callable[[Any], None]) -> Any:
+        self.rpc += 1
+        failures = 0
+        first_failure = 0.0
+        while True:
+            self.aware.enter_step(self.rpc, rpc_kind, self.step, self.gate_timeout_s)
+            try:
+                for hook in self.hooks:
+                    hook.on_attempt(rpc_kind, self.step, failures, arg)
+                out = call(arg)
+            except Exception as exc:  # noqa: BLE001 - every failure goes through a round
+                if not self.recovery_enabled:
+                    raise
+                failures += 1
+                first_failure = first_failure or time.monotonic()
+                decision = self.aware.join_after_failure(self._status(rpc_kind, failures, exc))
+                if not decision.recompute:
+                    if classify(exc) is None and not is_peer_stop(exc):
+                        raise  # not a fault ftkit handles: the engine sees the original error
+                    error_cls = (ReinferenceExhausted if "max_reinference" in decision.reason
+                                 else RecoveryError)
+                    raise error_cls(f"ftkit: step {self.step} not recovered: "
+                                    f"{decision.reason}") from exc
+                log.warning("ftkit: rank %d step %d (%s) re-inference %d after %s: %s",
+                            self.rank, self.step, rpc_kind.value, failures,
+                            type(exc).__name__, exc)
+                rollback(record)
+                continue
+            joined = self.aware.exit_step_ok()
+            if joined is not None and not joined.recompute:
+                raise RecoveryError(f"ftkit: step {self.step}: a peer's fault could not be "
+                                    f"recovered: {joined.reason}")
+            if failures:
+                elapsed = time.monotonic() - first_failure
+                for hook in self.hooks:
+                    hook.on_recovered(rpc_kind, self.step, failures, elapsed)
+            return out
+
+    def _status(self, rpc_kind: RpcKind, failures: int, exc: BaseException) -> RankStatus:
+        stopped = is_peer_stop(exc)
+        kind = classify(exc)
+        return RankStatus(
+            rank=self.rank,
+            state=RankState.STOPPED if stopped else RankState.FAILED,
+            rpc=self.rpc,
+            rpc_kind=rpc_kind,
+            step=self.step,
+            failures=failures,
+            kind=None if stopped or kind is None else kind.value,
+            error=f"{type(exc).__name__}: {exc}"[:500],
+        )

@@ -1,0 +1,150 @@
+"""What a run produces: token streams, fired faults, recoveries, verdicts.
+
+These are plain dataclasses with ``to_dict`` so the JSON report, the CLI and the pytest
+plugin all read the same objects. Times are seconds; token times are measured from the
+moment the workload was submitted to the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestOutput:
+    """One request's generated tokens, in order, with the time each arrived."""
+
+    index: int
+    token_ids: list[int]
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class FiredAt:
+    request: int
+    token: int
+    step: int
+
+
+@dataclass
+class FaultRecord:
+    """One scenario fault and what became of it."""
+
+    kind: str
+    rank: int | str
+    request: int
+    token: int
+    phase: str
+    times: int
+    fired: bool = False
+    fired_at: FiredAt | None = None
+    #: Failing attempts the fault actually caused (a flap of 3 fires 3 times).
+    attempts: int = 0
+    recovered: bool = False
+    recovery_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RecoveryRecord:
+    """One coordinated recovery round, as the ranks agreed on it."""
+
+    step: int
+    kind: str
+    decision: str  # "recompute" | "raise"
+    attempt: int
+    ranks: list[int]
+    duration_s: float
+    reason: str = ""
+    #: Wall time (seconds since the workload started) when the round began.
+    at_s: float | None = None
+
+
+@dataclass
+class RunOutput:
+    """Everything one engine run of a workload produced."""
+
+    requests: list[RequestOutput]
+    faults: list[FaultRecord] = field(default_factory=list)
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
+    #: The engine's error, if the run ended with one (the text the engine surfaced).
+    error: str | None = None
+    timed_out: bool = False
+    engine_start_s: float = 0.0
+    generate_s: float = 0.0
+    #: Pids of every process the run started; all were reaped when the run returned.
+    pids: list[int] = field(default_factory=list)
+    from_cache: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+class Verdict(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    NOT_APPLIED = "not_applied"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class RequestComparison:
+    index: int
+    expected: list[int]
+    actual: list[int]
+    #: First token index where the streams differ (a missing token counts), else None.
+    first_divergence: int | None
+
+
+@dataclass
+class ScenarioResult:
+    """The verdict on one scenario with the evidence behind it."""
+
+    name: str
+    file: str
+    verdict: Verdict
+    reason: str
+    duration_s: float
+    requests: list[RequestComparison] = field(default_factory=list)
+    faults: list[FaultRecord] = field(default_factory=list)
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
+    error: str | None = None
+    baseline_from_cache: bool = False
+    tokens_per_s: float | None = None
+
+    @property
+    def tokens_compared(self) -> int:
+        return sum(min(len(r.expected), len(r.actual)) for r in self.requests)
+
+    @property
+    def first_divergence(self) -> tuple[int, int] | None:
+        """(request index, token index) of the earliest divergence, if any."""
+        for r in self.requests:
+            if r.first_divergence is not None:
+                return (r.index, r.first_divergence)
+        return None
+
+    @property
+    def reinferences(self) -> int:
+        return sum(1 for r in self.recoveries if r.decision == "recompute")
+
+    @property
+    def recovery_s(self) -> float:
+        return sum(r.duration_s for r in self.recoveries)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verdict"] = self.verdict.value
+        d["tokens_compared"] = self.tokens_compared
+        d["reinferences"] = self.reinferences
+        d["recovery_s"] = self.recovery_s
+        return d

@@ -1,0 +1,94 @@
+"""The semantic rules a well-typed scenario must also follow.
+
+``problems(scenario)`` returns every broken rule as ``(loc, message)``, the loc pointing at
+the field to change. It only reads the scenario; ``Scenario`` runs it when it is built, so
+a ``Scenario`` object never breaks these rules.
+
+The rules, in order: exactly one prompt source, ``min_words <= max_words``; for each fault:
+its kind is implemented, a link fault has a peer (``tensor_parallel_size >= 2``), its rank
+exists, its request exists, its token is computed (``< max_tokens``), a flap repeats
+(``times >= 2``), and an expected recovery is possible (recovery enabled and
+``times <= max_reinference``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ftkit.faults import IMPLEMENTED_KINDS, KINDS, FaultKind
+from ftkit.scenario.errors import Loc
+
+if TYPE_CHECKING:
+    from ftkit.scenario.model import FaultSpec, Scenario, WorkloadSpec
+
+Problem = tuple[Loc, str]
+
+
+def problems(scenario: Scenario) -> list[Problem]:
+    """Every semantic rule the scenario breaks; ``[]`` when it is sound."""
+    found = _workload_problems(scenario.workload)
+    for index, fault in enumerate(scenario.faults):
+        found += _fault_problems(scenario, ("faults", index), fault)
+    found += _expectation_problems(scenario)
+    return found
+
+
+def _workload_problems(workload: WorkloadSpec) -> list[Problem]:
+    found: list[Problem] = []
+    if workload.prompts is None and workload.random_prompts is None:
+        found.append((("workload",), "give the requests: either prompts or random_prompts"))
+    if workload.prompts is not None and workload.random_prompts is not None:
+        found.append((("workload", "random_prompts"),
+                      "give either prompts or random_prompts, not both"))
+    bounds = workload.random_prompts
+    if bounds is not None and bounds.min_words > bounds.max_words:
+        found.append((("workload", "random_prompts", "max_words"),
+                      f"max_words ({bounds.max_words}) is below min_words ({bounds.min_words})"))
+    return found
+
+
+def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Problem]:
+    found: list[Problem] = []
+    world_size = scenario.engine.tensor_parallel_size
+    n_requests = scenario.workload.prompt_count()
+    max_tokens = scenario.workload.max_tokens
+
+    # A scenario must never look as if it tested a fault that the injector would skip.
+    if fault.kind not in IMPLEMENTED_KINDS:
+        found.append((at + ("kind",), f"fault kind '{fault.kind}' is not implemented yet"))
+    if KINDS[fault.kind].collective and world_size < 2:
+        found.append((at + ("kind",), f"link faults need tensor_parallel_size >= 2 "
+                                      f"(engine.tensor_parallel_size is {world_size})"))
+    if isinstance(fault.rank, int) and fault.rank >= world_size:
+        found.append((at + ("rank",), f"rank {fault.rank} does not exist: the world size "
+                                      f"(engine.tensor_parallel_size) is {world_size}"))
+    # With no prompt source the workload rule already speaks; don't pile on.
+    if n_requests and fault.at.request >= n_requests:
+        found.append((at + ("at", "request"),
+                      f"request {fault.at.request} does not exist: the workload has "
+                      f"{n_requests} prompt(s), numbered from 0"))
+    if fault.at.token >= max_tokens:
+        found.append((at + ("at", "token"),
+                      f"token {fault.at.token} is never computed: workload.max_tokens is "
+                      f"{max_tokens}, tokens are numbered from 0"))
+    if fault.kind == FaultKind.LINK_FLAP and fault.times < 2:
+        found.append((at + ("times",), "a flap repeats: times must be at least 2"))
+    return found
+
+
+def _expectation_problems(scenario: Scenario) -> list[Problem]:
+    # These expectations cannot come true: the verdict would be decided by the file, not
+    # by the recovery engine.
+    if scenario.expect.outcome != "recovered" or not scenario.faults:
+        return []
+    if not scenario.recovery.enabled:
+        return [(("expect", "outcome"), "recovery.enabled is false, so a fault cannot be "
+                                        "recovered: expect outcome 'failed'")]
+    allowed = scenario.recovery.max_reinference
+    return [
+        (("faults", index, "times"), f"{fault.times} failing attempts need {fault.times} "
+                                     f"re-runs, more than recovery.max_reinference ({allowed}): "
+                                     f"raise it or expect outcome 'failed'")
+        for index, fault in enumerate(scenario.faults)
+        if fault.times > allowed
+    ]

@@ -1,0 +1,1 @@
+"""Everything that knows vLLM internals; nothing else in ftkit imports vLLM."""

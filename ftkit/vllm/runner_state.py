@@ -1,0 +1,169 @@
+"""What one step changes in vLLM's V1 model runner, and how to put it back.
+
+``GPUModelRunner`` (the CPU runner inherits it) keeps two views of every request: the
+``CachedRequestState`` in ``runner.requests`` and a row of the persistent ``input_batch``.
+``_update_states`` is not idempotent: it appends the step's new KV block ids to the request
+state and to the block table, and registers new requests. Re-running a failed step without
+undoing that corrupts tokens silently, later, whenever the step allocated blocks.
+
+The record taken before a step is small (proportional to the requests the step schedules):
+for each scheduled request, how many block ids each KV group held and how many output tokens
+it had; and which requests are new. Rollback then
+
+* truncates those lists *in place* (vLLM shares them between views: identity must survive),
+* forgets requests the step introduced,
+* evicts the step's requests from the persistent batch, so that the re-run's
+  ``_update_states`` re-adds them from the restored request states, the same path vLLM takes
+  for a request that was not scheduled for a step. The batch rows are rebuilt from the request
+  states (prompt + output tokens, block ids, generator), which are the source of truth.
+
+For sampling, the record holds the step's ``execute_model_state`` (``sample_tokens`` clears it
+before it samples), the state of every generator the batch samples with (seeded requests) and
+of the global generator, and each row's token count, so that a re-sample draws the same tokens.
+
+Supported: the V1 runner without asynchronous scheduling, speculative decoding or pipeline
+parallelism; ``check_supported`` says so at start rather than corrupting a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ftkit.errors import FtkitError
+
+
+@dataclass
+class ExecuteRecord:
+    new_req_ids: list[str]
+    #: req_id -> (len of each KV group's block id list, number of output tokens)
+    cached: dict[str, tuple[tuple[int, ...], int]]
+    resumed: set[str]
+
+
+@dataclass
+class SampleRecord:
+    execute_model_state: Any
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    global_rng: torch.Tensor | None = None
+    #: req_id -> (number of output tokens, num_tokens_no_spec of its row)
+    tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def check_supported(runner: Any) -> None:
+    """Refuse configurations whose step state this module does not know how to restore."""
+    problems = []
+    if getattr(runner, "use_async_scheduling", False):
+        problems.append("asynchronous scheduling is on (set async_scheduling=False)")
+    if getattr(runner, "speculative_config", None) is not None:
+        problems.append("speculative decoding is on")
+    if not hasattr(runner, "input_batch") or not hasattr(runner, "requests"):
+        problems.append(f"model runner {type(runner).__name__} is not vLLM's V1 runner "
+                        "(set VLLM_USE_V2_MODEL_RUNNER=0)")
+    if problems:
+        raise FtkitError("ftkit recovery cannot restore this runner's step state: "
+                         + "; ".join(problems))
+
+
+class V1RunnerState:
+    """``StepState`` for vLLM's V1 ``GPUModelRunner`` and its subclasses."""
+
+    def __init__(self, runner: Any) -> None:
+        check_supported(runner)
+        self.runner = runner
+
+    # --- execute_model ----------------------------------------------------------------------
+
+    def begin_execute(self, scheduler_output: Any) -> ExecuteRecord:
+        requests = self.runner.requests
+        new = [r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id not in requests]
+        cached_reqs = scheduler_output.scheduled_cached_reqs
+        resumed = set(cached_reqs.resumed_req_ids)
+        cached: dict[str, tuple[tuple[int, ...], int]] = {}
+        for req_id in cached_reqs.req_ids:
+            state = requests.get(req_id)
+            if state is not None:
+                cached[req_id] = (tuple(len(ids) for ids in state.block_ids),
+                                  len(state.output_token_ids))
+        return ExecuteRecord(new, cached, resumed)
+
+    def rollback_execute(self, record: ExecuteRecord) -> None:
+        runner = self.runner
+        batch = runner.input_batch
+        runner.execute_model_state = None
+        for req_id in record.new_req_ids:
+            state = runner.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+            runner.num_prompt_logprobs.pop(req_id, None)
+            if state is not None and hasattr(runner, "_on_request_state_removed"):
+                runner._on_request_state_removed(req_id, state)
+        for req_id, (block_lens, num_output) in record.cached.items():
+            state = runner.requests.get(req_id)
+            if state is None:
+                continue
+            if req_id not in record.resumed:
+                # A resumed request's block ids are replaced wholesale by the re-run.
+                for ids, n in zip(state.block_ids, block_lens):
+                    del ids[n:]
+            del state.output_token_ids[num_output:]
+            batch.remove_request(req_id)
+        batch.condense()
+
+    # --- sample_tokens ----------------------------------------------------------------------
+
+    def begin_sample(self) -> SampleRecord:
+        runner = self.runner
+        batch = runner.input_batch
+        record = SampleRecord(runner.execute_model_state)
+        for index, gen in batch.generators.items():
+            record.generator_states[index] = gen.get_state()
+        if batch.num_reqs and not batch.all_greedy:
+            record.global_rng = torch.get_rng_state()
+        for index, req_id in enumerate(batch.req_ids):
+            state = runner.requests[req_id]
+            record.tokens[req_id] = (len(state.output_token_ids),
+                                     int(batch.num_tokens_no_spec[index]))
+        return record
+
+    def rollback_sample(self, record: SampleRecord) -> None:
+        runner = self.runner
+        batch = runner.input_batch
+        runner.execute_model_state = record.execute_model_state
+        for index, state in record.generator_states.items():
+            batch.generators[index].set_state(state)
+        if record.global_rng is not None:
+            torch.set_rng_state(record.global_rng)
+        for index, req_id in enumerate(batch.req_ids):
+            saved = record.tokens.get(req_id)
+            if saved is None:
+                continue
+            num_output, num_tokens = saved
+            del runner.requests[req_id].output_token_ids[num_output:]
+            batch.num_tokens_no_spec[index] = num_tokens
+
+    # --- what a step computes ---------------------------------------------------------------
+
+    def output_token_indices(self, scheduler_output: Any) -> dict[str, int]:
+        """For each request this step completes a token of: the index of that output token.
+
+        Index 0 is the token sampled after the prompt (prefill). A chunk of a prompt that does
+        not reach its end computes no output token and is left out.
+        """
+        result: dict[str, int] = {}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = len(new.prompt_token_ids or ())
+            done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            if done >= prompt:
+                result[new.req_id] = done - prompt
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.runner.requests.get(req_id)
+            if state is None:
+                continue
+            done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            if done >= state.num_prompt_tokens:
+                result[req_id] = done - state.num_prompt_tokens
+        return result

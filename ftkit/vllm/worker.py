@@ -1,0 +1,114 @@
+"""FtkitWorker: assembles the recovery engine around one vLLM worker."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ftkit.errors import FtkitError
+from ftkit.inject import Injector
+from ftkit.recovery.aware import FaultAware
+from ftkit.recovery.config import RecoveryConfig
+from ftkit.recovery.coordinator import Coordinator, Decision, MemoryChannel, RankStatus, StoreChannel
+from ftkit.recovery.events import EventLog
+from ftkit.recovery.tolerance import FaultTolerance
+from ftkit.vllm.runner_state import V1RunnerState
+
+log = logging.getLogger("ftkit")
+
+
+def make_backend(rank: int) -> Any:
+    from vllm.platforms import current_platform
+
+    device = current_platform.device_type
+    if device == "cpu":
+        from ftkit.backends.cpu import CpuBackend
+
+        return CpuBackend(rank)
+    raise FtkitError(f"ftkit: no recovery backend for platform {device!r} yet")
+
+
+class FtkitWorker:
+    """Owns one rank's recovery engine, fault injector and event log."""
+
+    def __init__(self, worker: Any, vllm_config: Any, config: RecoveryConfig) -> None:
+        self.worker = worker
+        self.vllm_config = vllm_config
+        self.config = config
+        self.rank = int(getattr(worker, "rank", 0))
+        self.events = EventLog(self.rank, config.journal_dir)
+        self.tolerance: FaultTolerance | None = None
+        self.injector: Injector | None = None
+        self.backend: Any = None
+        self.aware: FaultAware | None = None
+
+    # --- the wrapped step methods -------------------------------------------------------------
+
+    def execute_model(self, inner: Any, scheduler_output: Any) -> Any:
+        return self._ready().execute_model(inner, scheduler_output)
+
+    def sample_tokens(self, inner: Any, grammar_output: Any) -> Any:
+        return self._ready().sample_tokens(inner, grammar_output)
+
+    # --- control (called through collective_rpc) ----------------------------------------------
+
+    def set_fault_plan(self, run_id: str | None, faults: list[dict[str, Any]]) -> None:
+        self._ready()
+        assert self.injector is not None
+        self.injector.set_plan(run_id, faults)
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def _ready(self) -> FaultTolerance:
+        if self.tolerance is None:
+            self.tolerance = self._build()
+        return self.tolerance
+
+    def _build(self) -> FaultTolerance:
+        import torch.distributed as dist
+
+        runner = self.worker.model_runner
+        state = V1RunnerState(runner)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.backend = make_backend(self.rank)
+        if world > 1:
+            from ftkit.vllm.comms import vllm_groups
+
+            self.backend.take_over(vllm_groups())
+        timeout = self.config.round_timeout_s
+
+        def rebuild(decision: Decision) -> None:
+            self.backend.recover_device(decision.kinds)
+            if world > 1:
+                self.backend.rebuild_communicators(timeout)
+
+        coordinator = Coordinator(self.rank, world, max_reinference=self.config.max_reinference,
+                                  round_timeout_s=timeout, rebuild=rebuild)
+        if world > 1:
+            store = dist.distributed_c10d._get_default_store()
+            main_channel: Any = StoreChannel(store.clone())
+            factory: Any = lambda: StoreChannel(store.clone())  # noqa: E731 - one client a thread
+        else:
+            main_channel, factory = MemoryChannel(), None
+        self.aware = FaultAware(coordinator, main_channel=main_channel, channel_factory=factory,
+                                stop_communication=self.backend.stop_communication,
+                                on_round=self._record_round)
+        self.aware.start()
+        self.injector = Injector(self.rank, self.events, token_indices=state.output_token_indices,
+                                 break_link=getattr(self.backend, "break_link", None))
+        runner.sampler.register_forward_hook(self.injector.sample_hook)
+        runner.get_model().register_forward_pre_hook(self.injector.forward_hook)
+        log.info("ftkit: recovery %s on rank %d of %d (max_reinference=%d)",
+                 "on" if self.config.enabled else "off", self.rank, world,
+                 self.config.max_reinference)
+        return FaultTolerance(rank=self.rank, aware=self.aware, state=state,
+                              gate_timeout_s=3 * timeout, hooks=[self.injector],
+                              recovery_enabled=self.config.enabled)
+
+    def _record_round(self, epoch: int, status: RankStatus, decision: Decision,
+                      duration_s: float, wall: float) -> None:
+        self.events.emit("recovery", epoch=epoch, state=status.state.value, step=status.step,
+                         rpc=status.rpc, rpc_kind=status.rpc_kind.value,
+                         failures=status.failures, fault=status.kind,
+                         decision=decision.action.value, reason=decision.reason,
+                         kinds=list(decision.kinds), duration_s=duration_s, started=wall)
