@@ -72,6 +72,12 @@ def _engine_environment(tp: int):
                                              "VLLM_CPU_OMP_THREADS_BIND"]}
     os.environ.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if tp == 1 else "1"
+    me = psutil.Process()
+    affinity = me.cpu_affinity()
+    if tp > 1:
+        # An in-process engine started earlier in this process pinned it to one core; the
+        # workers would inherit that pin and share the core. Give them every core again.
+        me.cpu_affinity([])
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = sorted(os.sched_getaffinity(0))
         # One core per rank where there are enough (far faster than no binding on 2 cores).
@@ -80,17 +86,12 @@ def _engine_environment(tp: int):
     try:
         yield
     finally:
+        me.cpu_affinity(affinity)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _set_plan(worker: Any, run_id: str | None, faults: list[dict[str, Any]]) -> None:
-    from ftkit.vllm.plugin import ftkit_of
-
-    ftkit_of(worker).set_fault_plan(run_id, faults)
 
 
 class EngineSession:
@@ -161,7 +162,7 @@ class EngineSession:
     def set_fault_plan(self, run_id: str | None, faults: list[dict[str, Any]]) -> None:
         if self.recovery is None:
             raise EngineError("this engine was started without ftkit; it cannot inject faults")
-        self.llm.collective_rpc(_set_plan, args=(run_id, faults))
+        self.llm.collective_rpc("ftkit_set_fault_plan", args=(run_id, faults))
 
     def new_run_id(self) -> str:
         self._runs += 1

@@ -2,7 +2,7 @@
 
 vLLM loads general plugins in the main process, the engine core and every worker (inside
 ``WorkerWrapperBase.init_worker``, before the worker class is resolved). ``register`` wraps
-``init_worker`` so that, once the worker object exists, ftkit installs itself on *that
+``WorkerBase.__init__`` so that, once a worker object exists, ftkit installs itself on *that
 instance*: it leaves the platform's worker selection alone (CPU, CUDA and vllm-ascend's
 ``NPUWorker`` alike) and costs nothing when ``additional_config["fault_tolerance"]`` is absent.
 
@@ -25,20 +25,24 @@ _MARK = "__ftkit_wrapped__"
 
 
 def register() -> None:
-    """Entry point: idempotent, safe to call in any vLLM process."""
+    """Entry point: idempotent, safe to call in any vLLM process.
+
+    In worker processes vLLM calls this from inside ``WorkerWrapperBase.init_worker``, before
+    it creates the worker: wrapping ``WorkerBase.__init__`` reaches that very worker.
+    """
     from vllm.v1.worker import worker_base
 
-    original = worker_base.WorkerWrapperBase.init_worker
+    original = worker_base.WorkerBase.__init__
     if getattr(original, _MARK, False):
         return
 
     @functools.wraps(original)
-    def init_worker(self: Any, all_kwargs: list[dict[str, Any]]) -> None:
-        original(self, all_kwargs)
-        install(self.worker, self.vllm_config)
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, vllm_config, *args, **kwargs)
+        install(self, vllm_config)
 
-    setattr(init_worker, _MARK, True)
-    worker_base.WorkerWrapperBase.init_worker = init_worker
+    setattr(__init__, _MARK, True)
+    worker_base.WorkerBase.__init__ = __init__
 
 
 def install(worker: Any, vllm_config: Any) -> Any | None:
@@ -56,14 +60,6 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
         wrapped = functools.partial(getattr(ftkit_worker, name), inner)
         setattr(wrapped, _MARK, True)
         setattr(worker, name, wrapped)
+    # Reached by name through collective_rpc (a callable would need insecure pickling).
+    worker.ftkit_set_fault_plan = ftkit_worker.set_fault_plan
     return ftkit_worker
-
-
-def ftkit_of(obj: Any) -> Any:
-    """The ``FtkitWorker`` of a worker or of vLLM's wrapper around it (for collective_rpc)."""
-    worker = getattr(obj, "worker", None) or obj
-    ft = getattr(worker, "_ftkit", None)
-    if ft is None:
-        raise RuntimeError("ftkit is not installed on this worker: is "
-                           f"additional_config[{CONFIG_KEY!r}] set?")
-    return ft
