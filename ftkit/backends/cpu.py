@@ -120,8 +120,10 @@ class CpuBackend:
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower():
                     raise
-            if self._stopped.is_set():
-                # Abandon the work: its group is aborted and replaced by the rebuild.
+            if self._stopped.is_set() and not work.is_completed():
+                # Abandon the work: its group is aborted and replaced by the rebuild. (Work
+                # that completed after the slice ran out is not abandoned: every peer took
+                # part in it, and this rank re-running it alone would be out of step.)
                 raise CommunicationStopped(f"rank {self.rank}: {op} stopped while blocked: "
                                            "a peer failed")
 

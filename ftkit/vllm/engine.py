@@ -8,6 +8,7 @@ that outlives the grace period is killed by its pid.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -67,11 +68,11 @@ class GenerateResult:
 
 
 @contextmanager
-def _engine_environment(tp: int):
+def _engine_environment(tp: int, multiprocess: bool):
     saved = {k: os.environ.get(k) for k in [*ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING",
                                              "VLLM_CPU_OMP_THREADS_BIND"]}
     os.environ.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if tp == 1 else "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     me = psutil.Process()
     affinity = me.cpu_affinity()
     if tp > 1:
@@ -83,6 +84,11 @@ def _engine_environment(tp: int):
         # One core per rank where there are enough (far faster than no binding on 2 cores).
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
             "|".join(str(cores[i % len(cores)]) for i in range(tp)) if cores else "nobind")
+    # vLLM caches its environment once an engine is up; a second engine in this process must
+    # see the settings above, not the first engine's.
+    from vllm import envs
+
+    envs.disable_envs_cache()
     try:
         yield
     finally:
@@ -97,8 +103,14 @@ def _engine_environment(tp: int):
 class EngineSession:
     """One real vLLM engine, started once and used for one or more workloads."""
 
-    def __init__(self, spec: EngineSpec, *, recovery: dict[str, Any] | None = None) -> None:
+    def __init__(self, spec: EngineSpec, *, recovery: dict[str, Any] | None = None,
+                 multiprocess: bool | None = None) -> None:
+        """``multiprocess``: run the engine core in its own process. The default is vLLM's
+        multi-process executor for tensor parallel 2 and more, in-process for 1. Only one
+        in-process engine may live in a process at a time (it owns the process's default
+        process group)."""
         self.spec = spec
+        self.multiprocess = spec.tensor_parallel_size > 1 if multiprocess is None else multiprocess
         self.recovery = recovery
         self.llm: Any = None
         self.start_s = 0.0
@@ -121,7 +133,7 @@ class EngineSession:
         before = {p.pid for p in me.children(recursive=True)}
         started = time.monotonic()
         try:
-            with _engine_environment(self.spec.tensor_parallel_size):
+            with _engine_environment(self.spec.tensor_parallel_size, self.multiprocess):
                 self.llm = LLM(model=self.spec.model, dtype=self.spec.dtype,
                                tensor_parallel_size=self.spec.tensor_parallel_size,
                                max_model_len=self.spec.max_model_len,
@@ -149,6 +161,9 @@ class EngineSession:
             except Exception as exc:  # noqa: BLE001 - a dead engine may not shut down cleanly
                 log.debug("engine shutdown raised %s", exc)
             del llm
+            # Run vLLM's finalizers now, not at some later collection: they tear down the
+            # distributed state of this process, which a later in-process engine owns.
+            gc.collect()
         reap(self.pids, REAP_GRACE_S)
 
     def __enter__(self) -> EngineSession:
@@ -221,8 +236,24 @@ class EngineSession:
             cause = exc.__cause__ or exc.__context__
             if cause is not None and str(cause) not in error:
                 error += f" (caused by {type(cause).__name__}: {cause})"
+            error += self._recovery_verdict(started)
             self.dead = error
         return GenerateResult(outputs, error, time.monotonic() - started)
+
+
+    def _recovery_verdict(self, since_monotonic: float) -> str:
+        """The reason the ranks gave for surfacing a fault, from their journal: a worker's
+        exception reaches a multi-process front end only as a generic "engine dead"."""
+        journal = (self.recovery or {}).get("journal_dir")
+        if not journal:
+            return ""
+        from ftkit.recovery.events import read_events
+
+        since = time.time() - (time.monotonic() - since_monotonic)
+        reasons = [e["reason"] for e in read_events(journal)
+                   if e["event"] == "recovery" and e["decision"] == "raise"
+                   and e["time"] >= since]
+        return f"; ftkit: {reasons[0]}" if reasons else ""
 
 
 def reap(pids: list[int], grace_s: float) -> list[int]:

@@ -20,6 +20,9 @@ it had; and which requests are new. Rollback then
 For sampling, the record holds the step's ``execute_model_state`` (``sample_tokens`` clears it
 before it samples), the state of every generator the batch samples with (seeded requests) and
 of the global generator, and each row's token count, so that a re-sample draws the same tokens.
+When any request samples randomly, the logits are copied too: the sampler divides them by the
+temperature and masks them for top-k/top-p *in place*, so a re-sample from the same tensor would
+draw from a different distribution. Greedy batches need no copy (argmax is unaffected).
 
 Supported: the V1 runner without asynchronous scheduling, speculative decoding or pipeline
 parallelism; ``check_supported`` says so at start rather than corrupting a run.
@@ -46,6 +49,8 @@ class ExecuteRecord:
 @dataclass
 class SampleRecord:
     execute_model_state: Any
+    #: A pristine copy of the logits, kept only when the batch samples randomly.
+    logits: torch.Tensor | None = None
     generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
     global_rng: torch.Tensor | None = None
     #: req_id -> (number of output tokens, num_tokens_no_spec of its row)
@@ -121,6 +126,9 @@ class V1RunnerState:
             record.generator_states[index] = gen.get_state()
         if batch.num_reqs and not batch.all_greedy:
             record.global_rng = torch.get_rng_state()
+            state = runner.execute_model_state
+            if state is not None and getattr(state, "logits", None) is not None:
+                record.logits = state.logits.clone()
         for index, req_id in enumerate(batch.req_ids):
             state = runner.requests[req_id]
             record.tokens[req_id] = (len(state.output_token_ids),
@@ -130,9 +138,13 @@ class V1RunnerState:
     def rollback_sample(self, record: SampleRecord) -> None:
         runner = self.runner
         batch = runner.input_batch
-        runner.execute_model_state = record.execute_model_state
-        for index, state in record.generator_states.items():
-            batch.generators[index].set_state(state)
+        state = record.execute_model_state
+        if record.logits is not None and state is not None:
+            # Hand out a copy: the saved one must stay pristine for a further retry.
+            state = state._replace(logits=record.logits.clone())
+        runner.execute_model_state = state
+        for index, gen_state in record.generator_states.items():
+            batch.generators[index].set_state(gen_state)
         if record.global_rng is not None:
             torch.set_rng_state(record.global_rng)
         for index, req_id in enumerate(batch.req_ids):

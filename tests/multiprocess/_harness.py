@@ -1,0 +1,428 @@
+"""A real multi-process rig for the recovery engine, without vLLM.
+
+Each rank is a spawned process with a real gloo world (``tcp://127.0.0.1:<port>``). It builds
+the recovery engine exactly as ``ftkit/vllm/worker.py`` does: a ``CpuBackend`` that takes over
+a "tp" group's communicator, a ``Coordinator`` and a ``FaultAware`` over ``StoreChannel``s
+(one store client per thread) and a ``FaultTolerance`` around each RPC. Only vLLM's
+``GroupCoordinator`` bookkeeping is replaced, by ``StandInGroup``; the collectives, the process
+groups, the stop and the rebuild are real.
+
+A "step" is two RPCs, like vLLM's: ``execute`` (three all-reduces, two on the device group and
+one on the cpu group, and a change to the rank's state) and ``sample`` (rank-local: a change to
+the state and a value). ``expected_outputs`` computes the fault-free values in-process, the
+oracle the tests compare with.
+
+Faults are planned per rank, RPC, step, attempt and collective index:
+
+* ``link``: ``backend.break_link`` (after ``delay_s``): the next collective raises ``LinkError``
+  without entering, and the peers block in it for real;
+* ``oom`` (``MemoryError``) and ``value_error`` (``ValueError``): raised from the step;
+* ``exit_before_report``: a link break, then the rank announces the round without reporting
+  its status and dies (``os._exit(17)``) half a second later;
+* ``exit_in_rebuild``: a link break, then the rank dies (``os._exit(18)``) when the round asks
+  it to rebuild its communicators.
+
+Scenario keys: ``steps``, ``max_reinference``, ``round_timeout_s``, ``faults``, ``idle_gaps``
+(a rank sleeps before a step, as if waiting for the next RPC), ``exit_barrier_s`` and ``debug``.
+
+Every rank writes what it saw to ``<outdir>/rank<r>.json``: outputs, rollbacks, rounds,
+rebuilds, the moments faults fired and collectives were stopped, and its final error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+#: Collectives per execute RPC: (which group, op). Index = the collective index in a fault.
+COLLECTIVES = ("device", "device", "cpu")
+VECTOR = 4
+
+EXIT_BEFORE_REPORT = 17
+EXIT_IN_REBUILD = 18
+
+
+# --- the parent's side --------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, scenario: dict[str, Any], outdir: Path,
+              timeout_s: float = 40.0) -> tuple[list[dict[str, Any] | None], list[int | None],
+                                                float]:
+    """Run ``scenario`` on ``world`` spawned ranks; return (results, exit codes, wall seconds).
+
+    Every wait is bounded: ranks still alive at the deadline are killed (by pid) and show up
+    with a ``None`` result or a negative exit code.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    outdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, scenario, str(outdir)),
+                         name=f"ftkit-test-rank{r}", daemon=True) for r in range(world)]
+    started = time.monotonic()
+    try:
+        for p in procs:
+            p.start()
+        deadline = started + timeout_s
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    wall = time.monotonic() - started
+    results: list[dict[str, Any] | None] = []
+    for r in range(world):
+        path = outdir / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return results, [p.exitcode for p in procs], wall
+
+
+def expected_outputs(world: int, steps: int) -> list[dict[str, Any]]:
+    """The fault-free outputs of every step (the same on every rank)."""
+    import torch
+
+    acc = torch.zeros(VECTOR, dtype=torch.float64)
+    out = []
+    for s in range(1, steps + 1):
+        acc += 1.0
+        ts = [_base(s, r) for r in range(world)]
+        for i in range(len(COLLECTIVES)):
+            total = sum(ts[1:], ts[0].clone())
+            ts = [total * 0.5 + i for _ in range(world)]
+        acc += ts[0]
+        executed = ts[0].tolist()
+        acc -= 0.25
+        out.append({"step": s, "execute": executed, "sample": float(acc.sum())})
+    return out
+
+
+def _base(step: int, rank: int):
+    import torch
+
+    return torch.arange(VECTOR, dtype=torch.float64) + 10.0 * step + rank
+
+
+# --- the rank's side ----------------------------------------------------------------------------
+
+class Communicator:
+    """The attributes of vLLM's ``CpuCommunicator`` that the backend and the step use."""
+
+    def __init__(self, cpu_group: Any, device_group: Any) -> None:
+        import torch.distributed as dist
+
+        self.dist_module: Any = dist
+        self.cpu_group = cpu_group
+        self.device_group = device_group
+
+
+class StandInGroup:
+    """Stands in for ``ftkit.vllm.comms.VllmGroup`` (a GroupCoordinator's bookkeeping)."""
+
+    def __init__(self, name: str, ranks: list[int], communicator: Communicator) -> None:
+        self.name = name
+        self.ranks = ranks
+        self.communicator = communicator
+        self.replacements: list[dict[str, Any]] = []
+
+    def current_groups(self) -> tuple[Any, Any]:
+        return self.communicator.cpu_group, self.communicator.device_group
+
+    def replace_groups(self, cpu_group: Any, device_group: Any) -> None:
+        old_cpu, old_dev = self.current_groups()
+        self.communicator.cpu_group = cpu_group
+        self.communicator.device_group = device_group
+        self.replacements.append({
+            "thread": threading.current_thread().name,
+            "new_objects": cpu_group is not old_cpu and device_group is not old_dev,
+            "distinct": cpu_group is not device_group,
+        })
+
+
+class RecordingState:
+    """The ``StepState`` stand-in: the rank's mutable state, recorded and rolled back."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.acc = torch.zeros(VECTOR, dtype=torch.float64)
+        self.step = 0
+        self.rollbacks: list[list[Any]] = []
+
+    def begin_execute(self, scheduler_output: Any) -> Any:
+        self.step = scheduler_output
+        return self.acc.clone()
+
+    def rollback_execute(self, record: Any) -> None:
+        self.rollbacks.append(["execute", self.step])
+        self.acc.copy_(record)
+
+    def begin_sample(self) -> Any:
+        return self.acc.clone()
+
+    def rollback_sample(self, record: Any) -> None:
+        self.rollbacks.append(["sample", self.step])
+        self.acc.copy_(record)
+
+
+class DyingChannel:
+    """The main thread's side channel of a rank that dies in a round before reporting."""
+
+    def __init__(self, inner: Any, rig: Rig) -> None:
+        self._inner = inner
+        self._rig = rig
+
+    def set(self, key: str, value: str) -> None:
+        armed = self._rig.armed_exit == "exit_before_report"
+        if armed and "/status/" in key:
+            return  # never reports
+        self._inner.set(key, value)
+        if armed and key.endswith("/trigger"):
+            self._rig.record["exit_at"] = time.time()
+            time.sleep(0.5)  # the peers are stopped and waiting for this rank's report
+            self._rig.write()
+            os._exit(EXIT_BEFORE_REPORT)
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(key)
+
+    def wait(self, keys: list[str], timeout_s: float) -> bool:
+        return self._inner.wait(keys, timeout_s)
+
+    def has(self, key: str) -> bool:
+        return self._inner.has(key)
+
+
+class Rig:
+    def __init__(self, rank: int, world: int, scenario: dict[str, Any], outdir: str) -> None:
+        import torch.distributed as dist
+
+        from ftkit.backends.cpu import CpuBackend
+        from ftkit.recovery.aware import FaultAware
+        from ftkit.recovery.coordinator import Coordinator, StoreChannel
+        from ftkit.recovery.tolerance import FaultTolerance
+
+        self.rank = rank
+        self.world = world
+        self.scenario = scenario
+        self.outdir = Path(outdir)
+        self.round_timeout_s = float(scenario.get("round_timeout_s", 10.0))
+        self.faults = [f for f in scenario.get("faults", []) if f["rank"] == rank]
+        self.armed_exit: str | None = None
+        self.current: tuple[str, int, int] = ("", 0, 0)
+        self.record: dict[str, Any] = {
+            "rank": rank, "outputs": [], "rounds": [], "rebuilds": [], "fired": [],
+            "stops": [], "link_errors": [], "recovered": [], "error": None,
+        }
+
+        ranks = list(range(world))
+        timeout = timedelta(seconds=30)
+        cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        device_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        self.comm = Communicator(cpu_group, device_group)
+        self.group = StandInGroup("tp", ranks, self.comm)
+        self.initial_groups = (cpu_group, device_group)
+
+        self.backend = CpuBackend(rank)
+        self.backend.take_over([self.group])
+        assert self.comm.dist_module is self.backend.collectives
+
+        self.coordinator = Coordinator(rank, world,
+                                       max_reinference=int(scenario.get("max_reinference", 3)),
+                                       round_timeout_s=self.round_timeout_s,
+                                       rebuild=self._rebuild)
+        store = dist.distributed_c10d._get_default_store()
+        self.harness_store = store.clone()
+        main_channel: Any = StoreChannel(store.clone())
+        if any(f["action"] == "exit_before_report" for f in self.faults):
+            main_channel = DyingChannel(main_channel, self)
+        self.aware = FaultAware(self.coordinator, main_channel=main_channel,
+                                channel_factory=lambda: StoreChannel(store.clone()),
+                                stop_communication=self.backend.stop_communication,
+                                on_round=self._on_round)
+        self.state = RecordingState()
+        self.tolerance = FaultTolerance(rank=rank, aware=self.aware, state=self.state,
+                                        gate_timeout_s=3 * self.round_timeout_s, hooks=[self])
+        self.aware.start()
+
+    # --- the StepHook protocol ------------------------------------------------------------
+
+    def on_attempt(self, rpc_kind: Any, step: int, attempt: int, payload: Any) -> None:
+        self.current = (rpc_kind.value, step, attempt)
+
+    def on_recovered(self, rpc_kind: Any, step: int, failures: int, recovery_s: float) -> None:
+        self.record["recovered"].append({"rpc": rpc_kind.value, "step": step,
+                                         "failures": failures, "recovery_s": recovery_s})
+
+    # --- recovery callbacks ---------------------------------------------------------------
+
+    def _rebuild(self, decision: Any) -> None:
+        self.record["rebuilds"].append({"thread": threading.current_thread().name,
+                                        "kinds": list(decision.kinds), "at": time.time()})
+        if self.armed_exit == "exit_in_rebuild":
+            self.write()
+            os._exit(EXIT_IN_REBUILD)
+        self.backend.recover_device(decision.kinds)
+        self.backend.rebuild_communicators(self.round_timeout_s)
+
+    def _on_round(self, epoch: int, status: Any, decision: Any, duration_s: float,
+                  wall: float) -> None:
+        self.record["rounds"].append({
+            "epoch": epoch, "thread": threading.current_thread().name,
+            "state": status.state.value, "rpc": status.rpc, "rpc_kind": status.rpc_kind.value,
+            "failures": status.failures, "kind": status.kind,
+            "decision": decision.action.value, "reason": decision.reason,
+            "states": {str(s.rank): s.state.value for s in decision.statuses},
+            "duration_s": duration_s,
+        })
+
+    # --- the fake RPCs --------------------------------------------------------------------
+
+    def _maybe_fault(self, rpc: str, index: int) -> None:
+        kind, step, attempt = self.current
+        assert kind == rpc, (kind, rpc)
+        for f in self.faults:
+            if (f["rpc"] != rpc or f["step"] != step or attempt not in f.get("attempts", [0])
+                    or f.get("at", 0) != index):
+                continue
+            if f.get("delay_s"):
+                time.sleep(f["delay_s"])
+            self.record["fired"].append({"action": f["action"], "rpc": rpc, "step": step,
+                                         "attempt": attempt, "at": time.time()})
+            action = f["action"]
+            if action in ("link", "exit_before_report", "exit_in_rebuild"):
+                if action != "link":
+                    self.armed_exit = action
+                self.backend.break_link(f"injected link break at step {step}")
+            elif action == "oom":
+                raise MemoryError(f"injected out of memory at step {step}")
+            elif action == "value_error":
+                raise ValueError(f"injected bug at step {step}")
+            else:
+                raise AssertionError(f"unknown fault action {action!r}")
+
+    def _collective(self, t: Any, index: int) -> None:
+        from ftkit.faults import CommunicationStopped, LinkError
+
+        group = self.comm.device_group if COLLECTIVES[index] == "device" else self.comm.cpu_group
+        entered = time.monotonic()
+        try:
+            self.comm.dist_module.all_reduce(t, group=group)
+        except CommunicationStopped:
+            _, step, attempt = self.current
+            self.record["stops"].append({"step": step, "attempt": attempt, "index": index,
+                                         "blocked_s": time.monotonic() - entered,
+                                         "at": time.time()})
+            raise
+        except LinkError:
+            _, step, attempt = self.current
+            self.record["link_errors"].append({"step": step, "attempt": attempt,
+                                               "index": index, "at": time.time()})
+            raise
+
+    def execute(self, step: int) -> Any:
+        self.state.acc += 1.0
+        t = _base(step, self.rank)
+        for i in range(len(COLLECTIVES)):
+            self._maybe_fault("execute", i)
+            self._collective(t, i)
+            t = t * 0.5 + i
+        self.state.acc += t
+        return t.clone()
+
+    def sample(self, step: int) -> float:
+        self.state.acc -= 0.25
+        self._maybe_fault("sample", 0)
+        return float(self.state.acc.sum())
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        gaps = {(g["rank"], g["step"]): g["seconds"] for g in self.scenario.get("idle_gaps", [])}
+        for s in range(1, int(self.scenario.get("steps", 5)) + 1):
+            if (self.rank, s) in gaps:
+                time.sleep(gaps[(self.rank, s)])  # waiting for the next RPC, between steps
+            executed = self.tolerance.execute_model(self.execute, s)
+            sampled = self.tolerance.sample_tokens(self.sample, s)
+            self.record["outputs"].append({"step": s, "execute": executed.tolist(),
+                                           "sample": sampled})
+
+    def finish(self) -> None:
+        self.record["rollbacks"] = self.state.rollbacks
+        self.record["replacements"] = self.group.replacements
+        cpu, dev = self.group.current_groups()
+        self.record["groups_replaced"] = (cpu is not self.initial_groups[0]
+                                          and dev is not self.initial_groups[1])
+
+    def write(self) -> None:
+        try:
+            self.finish()
+        except Exception:  # noqa: BLE001 - the record matters more
+            pass
+        write_record(self.outdir, self.rank, self.record)
+
+    def barrier(self, timeout_s: float) -> None:
+        """Keep the store (served by rank 0) up until every rank is done with it."""
+        self.harness_store.set(f"harness/exit/{self.rank}", "1")
+        try:
+            self.harness_store.wait([f"harness/exit/{r}" for r in range(self.world)],
+                                    timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - a dead peer; nothing left to wait for
+            pass
+
+
+def write_record(outdir: Path, rank: int, record: dict[str, Any]) -> None:
+    tmp = outdir / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, outdir / f"rank{rank}.json")
+
+
+def rank_main(rank: int, world: int, port: int, scenario: dict[str, Any], outdir: str) -> None:
+    """One rank's process: set up, run the steps, record, and leave without teardown."""
+    logging.basicConfig(level=logging.DEBUG if scenario.get("debug") else logging.WARNING,
+                        format=f"[rank {rank} %(threadName)s] %(levelname)s %(message)s")
+    record: dict[str, Any] = {"rank": rank, "error": None}
+    rig: Rig | None = None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=30))
+        rig = Rig(rank, world, scenario, outdir)
+        record = rig.record
+        try:
+            rig.run()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            record["error"] = {"type": type(exc).__name__, "message": str(exc),
+                               "at": time.time(), "mro": [c.__name__ for c in type(exc).__mro__],
+                               "traceback": traceback.format_exc()}
+        rig.finish()
+        rig.barrier(float(scenario.get("exit_barrier_s", 2.0)) if record["error"] else 10.0)
+    except BaseException as exc:  # noqa: BLE001 - set-up failed
+        record["setup_error"] = traceback.format_exc()
+        record.setdefault("error", None)
+        record["error"] = record["error"] or {"type": type(exc).__name__, "message": str(exc),
+                                              "at": time.time(), "mro": [],
+                                              "traceback": traceback.format_exc()}
+    finally:
+        write_record(Path(outdir), rank, record)
+        # No process-group teardown: with a dead or failed peer it can block; the test only
+        # needs the record, and the parent reaps the process.
+        os._exit(0)

@@ -1,0 +1,135 @@
+"""Real vLLM engines for the integration tests, started once per session.
+
+Only one in-process engine is alive at a time (vLLM's in-process engine owns the process's
+default process group): the fault-free baselines of every workload are computed first on a
+plain engine, which is then closed. Engines with faults that end them get their own fixture.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+import pytest
+
+from ftkit.model import build_tiny_model
+from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "link fault in the cluster",
+    "one two three four five six seven",
+    "river mountain city ocean forest",
+]
+GREEDY = SamplingSpec(max_tokens=48)
+SEEDED = SamplingSpec(max_tokens=40, temperature=0.9, top_p=0.95, seed=1234)
+#: Long enough to cross a third KV block (position 64), where a duplicated block id bites.
+LONG = SamplingSpec(max_tokens=88)
+WORKLOADS = {"greedy": GREEDY, "seeded": SEEDED, "long": LONG}
+
+
+@dataclass
+class Baseline:
+    tokens: dict[str, list[list[int]]]
+    prompt_lens: list[int]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    return str(build_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model: str) -> Baseline:
+    """Fault-free tokens of every workload on a plain vLLM engine (ftkit not installed)."""
+    tokens = {}
+    with EngineSession(EngineSpec(model=tiny_model)) as engine:
+        for name, sampling in WORKLOADS.items():
+            out = engine.generate(PROMPTS, sampling)
+            assert out.error is None, out.error
+            tokens[name] = [r.token_ids for r in out.requests]
+        tokenizer = engine.llm.get_tokenizer()
+        lens = [len(tokenizer.encode(p)) for p in PROMPTS]
+    return Baseline(tokens, lens)
+
+
+def recovery_config(journal_dir: str, **overrides) -> dict:
+    return {"enabled": True, "max_reinference": 3, "round_timeout_s": 20.0,
+            "journal_dir": journal_dir, **overrides}
+
+
+@pytest.fixture(scope="session")
+def tp1_engine(tiny_model: str, baseline: Baseline, tmp_path_factory) -> EngineSession:
+    journal = tmp_path_factory.mktemp("journal-tp1")
+    with EngineSession(EngineSpec(model=tiny_model),
+                       recovery=recovery_config(str(journal))) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def tp2_engine(tiny_model: str, baseline: Baseline, tmp_path_factory) -> EngineSession:
+    journal = tmp_path_factory.mktemp("journal-tp2")
+    engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
+                           recovery=recovery_config(str(journal)))
+    engine.journal_dir = str(journal)
+    with engine:
+        yield engine
+    assert_reaped(engine.pids)
+
+
+def assert_reaped(pids: list[int]) -> None:
+    alive = [p for p in pids if psutil.pid_exists(p)
+             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes left behind: {alive}"
+
+
+def new_block_token(prompt_len: int, block_size: int = 32) -> int:
+    """The output token whose step is the first to need a second KV block."""
+    return block_size + 1 - prompt_len
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_orphans():
+    before = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+    yield
+    left = [p for p in psutil.Process(os.getpid()).children(recursive=True)
+            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes left behind by the test session: {[p.pid for p in left]}"
+
+
+@dataclass
+class FaultRun:
+    tokens: list[list[int]]
+    error: str | None
+    fired: list[dict]
+    rounds: list[dict]
+    recovered: list[dict]
+
+
+def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[dict],
+                    timeout_s: float = 120.0) -> FaultRun:
+    """Run the test prompts under ``faults`` and collect what the ranks recorded."""
+    import time
+
+    from ftkit.recovery.events import read_events
+
+    run_id = engine.new_run_id()
+    engine.set_fault_plan(run_id, faults)
+    started = time.time()
+    out = engine.generate(PROMPTS, sampling, run_id=run_id,
+                          deadline=time.monotonic() + timeout_s)
+    events = [e for e in read_events(engine.recovery["journal_dir"]) if e["time"] >= started]
+    return FaultRun(
+        tokens=[r.token_ids for r in out.requests],
+        error=out.error,
+        fired=[e for e in events if e["event"] == "fault_fired" and e["run_id"] == run_id],
+        rounds=[e for e in events if e["event"] == "recovery"],
+        recovered=[e for e in events if e["event"] == "step_recovered"],
+    )
+
+
+def fault(kind: str, rank, request: int, token: int, phase: str = "forward",
+          times: int = 1) -> dict:
+    return {"kind": kind, "rank": rank, "at": {"request": request, "token": token},
+            "phase": phase, "times": times, "params": {}}

@@ -1,0 +1,118 @@
+"""Token-level re-inference on a real in-process vLLM engine (tensor parallel 1).
+
+At tensor parallel 1 there is no link to break; the fault here is ``oom`` (an allocation
+failure inside the step), which exercises the same rollback and re-run as every other kind.
+Each test compares every request's tokens with the fault-free run of a plain vLLM engine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftkit.vllm.engine import EngineSession, EngineSpec
+
+from conftest import GREEDY, LONG, PROMPTS, SEEDED, fault, new_block_token, recovery_config, run_with_faults
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["prefill", "decode", "new_block", "last_token"],
+)
+@pytest.mark.parametrize("phase", ["before", "forward", "sample"])
+def test_fault_at_any_step_and_phase_gives_identical_tokens(tp1_engine, baseline, where, phase):
+    request = 0
+    token = {"prefill": 0, "decode": 7, "new_block": new_block_token(baseline.prompt_lens[0]),
+             "last_token": GREEDY.max_tokens - 1}[where]
+    run = run_with_faults(tp1_engine, GREEDY, [fault("oom", 0, request, token, phase, times=2)])
+    assert run.error is None
+    assert len(run.fired) == 2, "the fault must fire on both attempts"
+    assert {e["token"] for e in run.fired} == {token}
+    assert run.tokens == baseline.tokens["greedy"]
+    assert [r["decision"] for r in run.rounds] == ["recompute", "recompute"]
+    assert len(run.recovered) == 1 and run.recovered[0]["failures"] == 2
+
+
+def test_new_block_step_really_allocates_a_block(baseline):
+    # Guards the test above: its "new_block" token must be the step that crosses a block.
+    token = new_block_token(baseline.prompt_lens[0])
+    assert baseline.prompt_lens[0] + token == 33
+
+
+def test_seeded_sampling_fault_in_sampling_gives_identical_tokens(tp1_engine, baseline):
+    run = run_with_faults(tp1_engine, SEEDED, [fault("oom", 0, 2, 5, "sample", times=3)])
+    assert run.error is None
+    assert len(run.fired) == 3
+    assert run.tokens == baseline.tokens["seeded"]
+
+
+def test_faults_on_several_requests_and_steps(tp1_engine, baseline):
+    faults = [fault("oom", 0, 0, 0, "forward"), fault("oom", 0, 1, 20, "sample"),
+              fault("oom", 0, 3, 40, "before", times=3)]
+    run = run_with_faults(tp1_engine, GREEDY, faults)
+    assert run.error is None
+    assert sorted(e["index"] for e in run.fired) == [0, 1, 2, 2, 2]
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_without_rollback_a_new_block_step_corrupts_tokens(tiny_model, baseline, tmp_path):
+    """The rollback is what makes re-inference exact: re-running the step that allocated a
+    new KV block without undoing ``_update_states`` appends its block ids twice, and the
+    request's KV goes to the wrong block once it needs a third one.
+
+    Runs in a child process with the rollback patched out there (a second in-process engine in
+    this process would share the session engine's process groups).
+    """
+    token = new_block_token(baseline.prompt_lens[0])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_naive_rerun.py")), tiny_model,
+         str(token), str(tmp_path), str(LONG.max_tokens), json.dumps(PROMPTS)],
+        capture_output=True, text=True, timeout=240)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["error"] is not None or result["tokens"] != baseline.tokens["long"], \
+        "a naive re-run was expected to go wrong"
+    if result["error"] is None:
+        # The damage is silent and late: the tokens up to the faulty step still match.
+        assert result["tokens"][0][:token] == baseline.tokens["long"][0][:token]
+
+
+def test_with_rollback_the_same_fault_is_exact(tp1_engine, baseline):
+    token = new_block_token(baseline.prompt_lens[0])
+    run = run_with_faults(tp1_engine, LONG, [fault("oom", 0, 0, token, "forward")])
+    assert run.error is None and len(run.fired) == 1
+    assert run.tokens == baseline.tokens["long"]
+
+
+def test_flap_up_to_max_reinference_recovers(tp1_engine, baseline):
+    run = run_with_faults(tp1_engine, GREEDY, [fault("oom", 0, 1, 10, "forward", times=3)])
+    assert run.error is None
+    assert len(run.fired) == 3
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_flap_beyond_max_reinference_fails_cleanly(tiny_model, baseline, tmp_path):
+    with EngineSession(EngineSpec(model=tiny_model), multiprocess=True,
+                       recovery=recovery_config(str(tmp_path), max_reinference=2)) as engine:
+        run = run_with_faults(engine, GREEDY, [fault("oom", 0, 1, 10, "forward", times=3)])
+    assert run.error is not None
+    assert "max_reinference is 2" in run.error
+    assert len(run.fired) == 3
+    assert [r["decision"] for r in run.rounds] == ["recompute", "recompute", "raise"]
+    # The tokens produced before the failing step are intact.
+    for got, want in zip(run.tokens, baseline.tokens["greedy"]):
+        assert got == want[: len(got)]
+    assert len(run.tokens[1]) <= 10
+
+
+def test_no_fault_run_with_recovery_on_is_identical(tp1_engine, baseline):
+    run = run_with_faults(tp1_engine, GREEDY, [])
+    assert run.error is None and not run.fired and not run.rounds
+    assert run.tokens == baseline.tokens["greedy"]
