@@ -1,0 +1,102 @@
+"""Coordinated recovery of link faults on a real tensor-parallel vLLM engine (2 ranks, CPU).
+
+A link fault makes one rank raise the network error without entering the collective; the
+other rank genuinely blocks in it until its monitor stops it. Both ranks roll back, rebuild
+their communicators and re-run the step. Every request's tokens must equal the fault-free
+run of a plain vLLM engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ftkit.vllm.engine import EngineSession, EngineSpec
+
+from conftest import (GREEDY, SEEDED, assert_reaped, fault, new_block_token, recovery_config,
+                      run_with_faults)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+
+def test_fault_free_tensor_parallel_run_matches_plain_vllm(tp2_engine, baseline):
+    run = run_with_faults(tp2_engine, GREEDY, [])
+    assert run.error is None and not run.fired and not run.rounds
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode", "new_block"])
+@pytest.mark.parametrize("phase", ["before", "forward", "sample"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_link_break_recovers_on_every_rank(tp2_engine, baseline, rank, phase, where):
+    request = 2
+    token = {"prefill": 0, "decode": 9,
+             "new_block": new_block_token(baseline.prompt_lens[request])}[where]
+    run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", rank, request, token, phase)])
+    assert run.error is None
+    assert [(e["rank"], e["token"]) for e in run.fired] == [(rank, token)]
+    assert run.rounds and all(r["decision"] == "recompute" for r in run.rounds)
+    # Both ranks took part in the round: the faulty one and its peer.
+    assert {r["rank"] for r in run.rounds} == {0, 1}
+    states = {r["rank"]: r["state"] for r in run.rounds}
+    assert states[rank] == "failed"
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_healthy_rank_was_really_blocked_and_stopped(tp2_engine, baseline):
+    run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", 1, 0, 12, "forward")])
+    assert run.error is None
+    peer = [r for r in run.rounds if r["rank"] == 0]
+    # Rank 0 was inside the step's collective when rank 1 failed: its monitor stopped it and
+    # it reported "stopped" (not idle, not completed).
+    assert [r["state"] for r in peer] == ["stopped"]
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_link_flap_within_max_reinference(tp2_engine, baseline):
+    run = run_with_faults(tp2_engine, GREEDY, [fault("link_flap", 1, 0, 17, "forward", times=3)])
+    assert run.error is None
+    assert [e["attempt"] for e in run.fired] == [1, 2, 3]
+    assert len({r["epoch"] for r in run.rounds}) == 3
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_faults_on_both_ranks_in_the_same_step(tp2_engine, baseline):
+    run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", "all", 1, 5, "forward")])
+    assert run.error is None
+    assert sorted(e["rank"] for e in run.fired) == [0, 1]
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_several_faults_in_one_run(tp2_engine, baseline):
+    faults = [fault("link_break", 0, 0, 0, "forward"), fault("link_flap", 1, 1, 11, "before", 2),
+              fault("link_break", 1, 3, 30, "sample"), fault("oom", 0, 2, 40, "forward")]
+    run = run_with_faults(tp2_engine, GREEDY, faults)
+    assert run.error is None
+    assert sorted(e["index"] for e in run.fired) == [0, 1, 1, 2, 3]
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_seeded_sampling_survives_a_link_break(tp2_engine, baseline):
+    run = run_with_faults(tp2_engine, SEEDED, [fault("link_break", 1, 2, 6, "sample"),
+                                               fault("link_flap", 0, 0, 20, "forward", 2)])
+    assert run.error is None and len(run.fired) == 3
+    assert run.tokens == baseline.tokens["seeded"]
+
+
+def test_flap_beyond_max_reinference_fails_cleanly_and_reaps(tiny_model, baseline, tmp_path):
+    engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
+                           recovery=recovery_config(str(tmp_path), max_reinference=3))
+    started = time.monotonic()
+    with engine:
+        run = run_with_faults(engine, GREEDY, [fault("link_flap", 1, 0, 17, "forward", times=4)],
+                              timeout_s=120)
+    assert time.monotonic() - started < 180
+    assert run.error is not None and "max_reinference is 3" in run.error
+    assert len(run.fired) == 4
+    assert [r["decision"] for r in run.rounds if r["rank"] == 0] == ["recompute"] * 3 + ["raise"]
+    for got, want in zip(run.tokens, baseline.tokens["greedy"]):
+        assert got == want[: len(got)]
+    assert len(run.tokens[0]) <= 17
+    assert_reaped(engine.pids)
