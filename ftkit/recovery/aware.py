@@ -56,8 +56,11 @@ class FaultAware:
         self._owner: str | None = None  # "main" | "monitor" while a round is being run
         self._pending: int | None = None  # epoch announced while the main thread was in a step
         self._failed: Decision | None = None  # a round ended in "raise": the rank is done
-        self._rpc = 0  # counter of the RPC in flight or last completed
+        self._rpc = 0  # counter of the RPC in flight (or last entered)
         self._rpc_kind = RpcKind.NONE
+        #: The last RPC this rank completed. Between a failed attempt and its re-run the rank
+        #: is idle, but its next RPC is the one it failed, not the one after it.
+        self._completed = 0
         self._step = 0
         self._shutdown = threading.Event()
         self._thread: threading.Thread | None = None
@@ -90,6 +93,7 @@ class FaultAware:
         """Called when a step RPC returned. Joins a round announced meanwhile, if any."""
         with self._cond:
             self._in_step = False
+            self._completed = self._rpc
             epoch = self._pending
             if epoch is None:
                 return None
@@ -138,8 +142,8 @@ class FaultAware:
                                     MONITOR_WAKE_S)
                 return
             self._owner = "monitor"
-        status = RankStatus(self.coordinator.rank, RankState.IDLE, self._rpc, self._rpc_kind,
-                            self._step)
+        status = RankStatus(self.coordinator.rank, RankState.IDLE, self._completed,
+                            RpcKind.NONE, self._step)
         decision = self._run_round(channel, epoch, status, owner="monitor")
         if not decision.recompute:
             log.error("ftkit: recovery round %d decided to raise: %s", epoch, decision.reason)

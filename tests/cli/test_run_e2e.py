@@ -1,0 +1,170 @@
+"""``ftkit run`` end to end, as a user runs it: a real process, real engines, real files.
+
+Every command runs with a unique tag in its environment, inherited by every process below
+it; after each test no tagged process may be alive (the engine host, the engine core and the
+workers are all ftkit's to reap, also on timeout and Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+FTKIT = [sys.executable, "-c", "from ftkit_cli.main import main; main()"]
+
+TP1_OOM = """\
+name: oom_decode
+engine: {tensor_parallel_size: 1}
+workload:
+  prompts: ["the quick brown fox", "one two three four five"]
+  max_tokens: 24
+faults:
+  - {kind: oom, rank: 0, at: {request: 1, token: 6}, phase: forward, times: 2}
+expect: {outcome: recovered, tokens: identical, timeout_s: 240}
+"""
+
+TP1_EXHAUSTED = """\
+name: oom_exhausted
+workload:
+  prompts: ["the quick brown fox", "one two three four five"]
+  max_tokens: 24
+recovery: {max_reinference: 1}
+faults:
+  - {kind: oom, rank: 0, at: {request: 0, token: 10}, phase: sample, times: 2}
+expect: {outcome: failed, tokens: prefix, timeout_s: 240}
+"""
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ftkit-cache")
+
+
+def tagged_env(cache_dir: Path) -> tuple[dict[str, str], str]:
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, FTKIT_CACHE_DIR=str(cache_dir), FTKIT_TEST_TAG=tag, COLUMNS="160")
+    return env, tag
+
+
+def tagged_processes(tag: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("FTKIT_TEST_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def run_ftkit(args: list[str], cache_dir: Path, timeout: float = 600):
+    env, tag = tagged_env(cache_dir)
+    proc = subprocess.run(FTKIT + args, capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+    assert tagged_processes(tag) == [], "ftkit left processes behind"
+    return proc
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_run_recovers_and_reports_pass(tmp_path, cache_dir):
+    scenario = write(tmp_path, "oom.yaml", TP1_OOM)
+    report = tmp_path / "report.json"
+    proc = run_ftkit(["run", str(scenario), "--json", str(report)], cache_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout
+    data = json.loads(report.read_text())
+    (sc,) = data["scenarios"]
+    assert sc["verdict"] == "pass"
+    assert sc["faults"][0]["fired"] and sc["faults"][0]["attempts"] == 2
+    assert sc["faults"][0]["fired_at"] == {"request": 1, "token": 6, "step": sc["faults"][0]["fired_at"]["step"]}
+    assert sc["faults"][0]["recovered"]
+    assert all(r["first_divergence"] is None and r["expected"] == r["actual"] for r in sc["requests"])
+    assert all(len(r["actual"]) == 24 for r in sc["requests"])
+    assert not sc["baseline_from_cache"]
+
+    # The second run takes the fault-free tokens from the cache.
+    again = run_ftkit(["run", str(scenario), "--json", str(report)], cache_dir)
+    assert again.returncode == 0
+    assert json.loads(report.read_text())["scenarios"][0]["baseline_from_cache"]
+
+
+def test_expected_failure_passes_when_the_engine_fails_cleanly(tmp_path, cache_dir):
+    scenario = write(tmp_path, "exhausted.yaml", TP1_EXHAUSTED)
+    report = tmp_path / "report.json"
+    proc = run_ftkit(["run", str(scenario), "--json", str(report)], cache_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (sc,) = json.loads(report.read_text())["scenarios"]
+    assert sc["verdict"] == "pass"
+    assert "max_reinference is 1" in sc["error"]
+    assert sc["faults"][0]["attempts"] == 2 and not sc["faults"][0]["recovered"]
+
+
+def test_headline_link_flap_scenario_passes(cache_dir, tmp_path):
+    report = tmp_path / "report.json"
+    proc = run_ftkit(["run", "scenarios/link_flap.yaml", "--json", str(report)], cache_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout
+    (sc,) = json.loads(report.read_text())["scenarios"]
+    assert sc["faults"][0]["kind"] == "link_flap" and sc["faults"][0]["attempts"] == 3
+    assert sc["reinferences"] == 3
+    assert sum(len(r["actual"]) for r in sc["requests"]) == sc["tokens_compared"] >= 256
+
+
+def test_timeout_stops_the_run_and_reaps_every_process(tmp_path, cache_dir):
+    slow = TP1_OOM.replace("tensor_parallel_size: 1", "tensor_parallel_size: 2").replace(
+        "kind: oom", "kind: link_break").replace("timeout_s: 240", "timeout_s: 15")
+    scenario = write(tmp_path, "slow.yaml", slow)
+    started = time.monotonic()
+    proc = run_ftkit(["run", str(scenario)], cache_dir)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "ERROR" in proc.stdout and "timeout" in proc.stdout.lower()
+    assert time.monotonic() - started < 120
+
+
+def test_ctrl_c_stops_cleanly(tmp_path, cache_dir):
+    scenario = write(tmp_path, "oom.yaml", TP1_OOM.replace("max_tokens: 24", "max_tokens: 200"))
+    report = tmp_path / "report.json"
+    env, tag = tagged_env(cache_dir)
+    proc = subprocess.Popen(FTKIT + ["run", str(scenario), "--json", str(report)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        # Wait until the engine host runs (a tagged grandchild exists), then interrupt.
+        while time.monotonic() < deadline and len(tagged_processes(tag)) < 2:
+            time.sleep(0.5)
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in (out + err).lower()
+    assert tagged_processes(tag) == []
+
+
+def test_malformed_scenario_exits_2_with_file_line_and_field(tmp_path, cache_dir):
+    bad = write(tmp_path, "bad.yaml", TP1_OOM.replace("times: 2", "times: two"))
+    proc = run_ftkit(["run", str(bad)], cache_dir, timeout=60)
+    assert proc.returncode == 2
+    assert f"{bad}:7: faults[0].times:" in proc.stderr
+    assert "Traceback" not in proc.stderr
