@@ -149,7 +149,7 @@ class EngineSession:
 
     def _track_children(self, me: psutil.Process, before: set[int]) -> None:
         for p in me.children(recursive=True):
-            if p.pid not in before and p.pid not in self.pids:
+            if p.pid not in before and p.pid not in self.pids and not is_process_helper(p):
                 self.pids.append(p.pid)
 
     def close(self) -> None:
@@ -254,6 +254,16 @@ class EngineSession:
                    if e["event"] == "recovery" and e["decision"] == "raise"
                    and e["time"] >= since]
         return f"; ftkit: {reasons[0]}" if reasons else ""
+
+
+def is_process_helper(proc: psutil.Process) -> bool:
+    """Python's multiprocessing resource tracker: one per process, started by the first
+    engine that needs it, not owned by any engine. It ignores SIGTERM and exits by itself when
+    the process that started it exits, so it is neither an engine process nor an orphan."""
+    try:
+        return any("resource_tracker" in part for part in proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
 def reap(pids: list[int], grace_s: float) -> list[int]:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from ftkit.model import build_tiny_model
-from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec
+from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec, is_process_helper
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -94,7 +94,8 @@ def _no_orphans():
     before = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
     yield
     left = [p for p in psutil.Process(os.getpid()).children(recursive=True)
-            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE
+            and not is_process_helper(p)]
     assert not left, f"processes left behind by the test session: {[p.pid for p in left]}"
 
 
