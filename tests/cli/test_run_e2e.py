@@ -116,15 +116,21 @@ def test_expected_failure_passes_when_the_engine_fails_cleanly(tmp_path, cache_d
     assert sc["faults"][0]["attempts"] == 2 and not sc["faults"][0]["recovered"]
 
 
-def test_headline_link_flap_scenario_passes(cache_dir, tmp_path):
+def test_bundled_scenario_library_passes(cache_dir, tmp_path):
+    """The headline scenario and the rest of scenarios/ pass, as `make run` shows."""
     report = tmp_path / "report.json"
-    proc = run_ftkit(["run", "scenarios/link_flap.yaml", "--json", str(report)], cache_dir)
+    proc = run_ftkit(["run", "scenarios/", "--json", str(report)], cache_dir, timeout=840)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "PASS" in proc.stdout
-    (sc,) = json.loads(report.read_text())["scenarios"]
-    assert sc["faults"][0]["kind"] == "link_flap" and sc["faults"][0]["attempts"] == 3
-    assert sc["reinferences"] == 3
-    assert sum(len(r["actual"]) for r in sc["requests"]) == sc["tokens_compared"] >= 256
+    scenarios = {sc["name"]: sc for sc in json.loads(report.read_text())["scenarios"]}
+    assert set(scenarios) == {p.stem for p in (ROOT / "scenarios").glob("*.yaml")}
+    assert {sc["verdict"] for sc in scenarios.values()} == {"pass"}
+    flap = scenarios["link_flap"]
+    assert flap["faults"][0]["kind"] == "link_flap" and flap["faults"][0]["attempts"] == 3
+    assert flap["reinferences"] == 3
+    assert sum(len(r["actual"]) for r in flap["requests"]) == flap["tokens_compared"] >= 256
+    exhausted = scenarios["link_flap_exhausted"]
+    assert "max_reinference is 3" in exhausted["error"]
+    assert exhausted["faults"][0]["attempts"] == 4
 
 
 def test_timeout_stops_the_run_and_reaps_every_process(tmp_path, cache_dir):

@@ -126,7 +126,8 @@ def test_bundled_determinism_has_no_faults():
 def test_load_scenarios_expands_the_bundled_directory_sorted():
     loaded = load_scenarios([BUNDLED])
     assert [Path(f).name for f, _ in loaded] == \
-        ["determinism.yaml", "link_break.yaml", "link_flap.yaml"]
+        ["determinism.yaml", "link_break.yaml", "link_flap.yaml", "link_flap_exhausted.yaml",
+         "oom_sampling.yaml"]
 
 
 # --- defaults and good examples -------------------------------------------------------------
