@@ -45,6 +45,8 @@ class FaultRecord:
     attempts: int = 0
     recovered: bool = False
     recovery_s: float | None = None
+    #: When the fault first fired, seconds after the workload was submitted.
+    at_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,7 +63,7 @@ class RecoveryRecord:
     ranks: list[int]
     duration_s: float
     reason: str = ""
-    #: Wall time (seconds since the workload started) when the round began.
+    #: When the round began, seconds after the workload was submitted.
     at_s: float | None = None
 
 
@@ -77,6 +79,9 @@ class RunOutput:
     timed_out: bool = False
     engine_start_s: float = 0.0
     generate_s: float = 0.0
+    #: Wall-clock time (``time.time()``) when the workload was submitted: the zero of every
+    #: token time, and the reference for the ranks' journal events.
+    started_at: float | None = None
     #: Pids of every process the run started; all were reaped when the run returned.
     pids: list[int] = field(default_factory=list)
     from_cache: bool = False
@@ -103,6 +108,8 @@ class RequestComparison:
     actual: list[int]
     #: First token index where the streams differ (a missing token counts), else None.
     first_divergence: int | None
+    #: When each actual token arrived, seconds after the workload was submitted.
+    actual_times: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -98,12 +98,14 @@ def baseline_for(scenario: Any, model_dir: str, *, on_event: EventSink, use_cach
 
 def _run_output_to_dict(out: RunOutput) -> dict[str, Any]:
     return {"requests": [asdict(r) for r in out.requests], "error": out.error,
-            "engine_start_s": out.engine_start_s, "generate_s": out.generate_s}
+            "engine_start_s": out.engine_start_s, "generate_s": out.generate_s,
+            "started_at": out.started_at}
 
 
 def _run_output_from_dict(d: dict[str, Any]) -> RunOutput:
     return RunOutput(requests=[RequestOutput(**r) for r in d["requests"]], error=d["error"],
-                     engine_start_s=d["engine_start_s"], generate_s=d["generate_s"])
+                     engine_start_s=d["engine_start_s"], generate_s=d["generate_s"],
+                     started_at=d.get("started_at"))
 
 
 def _version(dist: str) -> str | None:
@@ -146,7 +148,8 @@ def run_job(scenario: Any, model_dir: str, *, recovery: dict[str, Any] | None,
         out.timed_out = timed_out
         if timed_out:
             out.error = (out.error or "") + f"run stopped after its timeout of {timeout_s:.0f} s"
-        out.faults, out.recoveries = collect_events(read_events(journal), scenario.faults)
+        out.faults, out.recoveries = collect_events(read_events(journal), scenario.faults,
+                                                    origin=out.started_at)
         return out
 
 
@@ -298,10 +301,13 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 # --- events -> records --------------------------------------------------------------------------
 
-def collect_events(events: list[dict[str, Any]],
-                   planned: list[Any]) -> tuple[list[FaultRecord], list[RecoveryRecord]]:
-    """Turn the ranks' journal events into one record per planned fault and per round."""
-    t0 = min((e["time"] for e in events), default=0.0)
+def collect_events(events: list[dict[str, Any]], planned: list[Any], *,
+                   origin: float | None = None) -> tuple[list[FaultRecord], list[RecoveryRecord]]:
+    """Turn the ranks' journal events into one record per planned fault and per round.
+
+    Times are made relative to ``origin`` (when the workload was submitted; the first event
+    when it is unknown)."""
+    t0 = origin if origin is not None else min((e["time"] for e in events), default=0.0)
     records: list[FaultRecord] = []
     for index, spec in enumerate(planned):
         fired = [e for e in events if e["event"] == "fault_fired" and e["index"] == index]
@@ -313,6 +319,7 @@ def collect_events(events: list[dict[str, Any]],
             rec.fired_at = FiredAt(request=first["request"], token=first["token"],
                                    step=first["step"])
             rec.attempts = max(e["attempt"] for e in fired)
+            rec.at_s = first["time"] - t0
             ranks = {e["rank"] for e in fired}
             recovered = [e for e in events if e["event"] == "step_recovered"
                          and e["rank"] in ranks and e["time"] >= first["time"]

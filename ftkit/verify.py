@@ -274,7 +274,8 @@ def _compare(expected: RequestOutput, actual: RequestOutput,
     cut_want = want if window is None else want[:window]
     cut_got = got if window is None else got[:window]
     return RequestComparison(index=expected.index, expected=want, actual=got,
-                             first_divergence=compare_tokens(cut_want, cut_got))
+                             first_divergence=compare_tokens(cut_want, cut_got),
+                             actual_times=list(actual.token_times))
 
 
 def _first_diverged(comparisons: Sequence[RequestComparison]) -> RequestComparison | None:

@@ -65,6 +65,8 @@ class GenerateResult:
     requests: list[RequestOutput]
     error: str | None
     generate_s: float
+    #: ``time.time()`` when the workload was submitted (token times count from here).
+    started_at: float | None = None
 
 
 @contextmanager
@@ -200,6 +202,7 @@ class EngineSession:
         engine = self.llm.llm_engine
         outputs = [RequestOutput(i, []) for i in range(len(prompts))]
         total = len(prompts) * sampling.max_tokens
+        started_at = time.time()
         started = time.monotonic()
         for i, prompt in enumerate(prompts):
             params = SamplingParams(
@@ -238,7 +241,7 @@ class EngineSession:
                 error += f" (caused by {type(cause).__name__}: {cause})"
             error += self._recovery_verdict(started)
             self.dead = error
-        return GenerateResult(outputs, error, time.monotonic() - started)
+        return GenerateResult(outputs, error, time.monotonic() - started, started_at)
 
 
     def _recovery_verdict(self, since_monotonic: float) -> str:

@@ -52,6 +52,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         out = session.generate(job["prompts"], sampling, run_id=run_id, on_tokens=on_tokens)
         result["error"] = out.error
         result["generate_s"] = out.generate_s
+        result["started_at"] = out.started_at
         result["requests"] = [asdict(r) for r in out.requests]
     except Exception as exc:  # noqa: BLE001 - the parent turns it into a verdict
         result["error"] = f"{type(exc).__name__}: {exc}"

@@ -68,7 +68,7 @@ def test_report_round_trip(tmp_path):
     assert ok["reinferences"] == 2
     assert ok["recovery_s"] == pytest.approx(0.12)
     assert ok["requests"] == [{"index": 0, "expected": [1, 2, 3], "actual": [1, 2, 3],
-                               "first_divergence": None}]
+                               "first_divergence": None, "actual_times": []}]
     fault = ok["faults"][0]
     assert fault["kind"] == "link_flap"
     assert fault["rank"] == 1
