@@ -59,3 +59,7 @@ clean: ## Remove .venv and build junk (the model and baseline cache in ~/.cache/
 	rm -rf $(VENV) build dist out .pytest_cache
 	find . -path ./.git -prune -o \( -name '*.egg-info' -o -name __pycache__ \) -type d -prune -print0 \
 		| xargs -0 rm -rf
+
+.PHONY: example
+example: setup ## Run the downstream example project (pytest plugin, real vLLM engines)
+	$(PYTEST) examples/downstream -q

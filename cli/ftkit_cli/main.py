@@ -1,16 +1,20 @@
 """The ``ftkit`` command line.
 
-Commands: ``run``, ``validate``, ``schema``, ``list``, ``model build``.
+Commands: ``run``, ``report``, ``validate``, ``schema``, ``list``, ``model build``.
 
 Exit codes of ``ftkit run`` (a script may rely on them)::
 
     0    every scenario passed
     1    at least one scenario failed
-    2    bad input or usage: a scenario does not load, no scenario found, bad option
+    2    bad input or usage: a scenario does not load, no scenario found, no scenario matches
+         -k, bad option, a report cannot be written
     3    no scenario failed, but at least one was not applied or ended in error
-    130  interrupted (Ctrl-C); the --json report still holds the scenarios that finished
+    130  interrupted (Ctrl-C); every requested report still holds the scenarios that finished
 
-``validate`` exits 0 when every file is valid and 2 otherwise. Errors are printed, one line
+Scenarios that ``--fail-fast`` or Ctrl-C left unrun do not change the exit code; the reports
+list them as skipped. ``report`` exits 0 once it has rendered a journal and 2 when the journal
+cannot be read or a report cannot be written. ``validate`` exits 0 when every file is valid
+and 2 otherwise. Errors are printed, one line
 each, in red on stderr, without a traceback (``run -v`` shows tracebacks of runner errors).
 The runner, vLLM and torch are imported only by the commands that need them.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -31,6 +36,7 @@ from rich.console import Console
 from ftkit.errors import FtkitError
 from ftkit.events import EventSink
 from ftkit.faults import KINDS
+from ftkit.report.journal import SkippedScenario
 from ftkit.results import ScenarioResult, Verdict
 from ftkit.verify import planned_faults
 from ftkit_cli.render import RunProgress, VerdictReport, error_lines
@@ -44,6 +50,7 @@ __all__ = [
     "exit_code",
     "ftkit",
     "main",
+    "name_matcher",
 ]
 
 EXIT_OK = 0
@@ -95,23 +102,43 @@ def ftkit() -> None:
 
 # --- run ------------------------------------------------------------------------------------
 
+#: Help texts of the options of ``run`` (and ``report``), in one place.
+JSON_HELP = "Write the JSON report (journal) to this file."
+JUNIT_HELP = "Write a JUnit XML report (one test case per scenario) to this file."
+HTML_HELP = ("Write one self-contained HTML report (verdict table, fault timeline per "
+             "scenario) to this file.")
+FAIL_FAST_HELP = ("Stop after the first scenario that does not pass; the rest are not run "
+                  "and are reported as skipped.")
+SELECT_HELP = ("Run only the scenarios whose name matches PATTERN: a substring, or an "
+               "expression of substrings with not/and/or and parentheses, e.g. "
+               "'oom and not exhausted'. Case-insensitive.")
+
+
 @ftkit.command("run")
 @click.argument("paths", nargs=-1, required=True, metavar="FILE_OR_DIR...")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the JSON report (journal) to this file.")
+              help=JSON_HELP)
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
+              help=JUNIT_HELP)
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help=HTML_HELP)
+@click.option("--fail-fast", is_flag=True, help=FAIL_FAST_HELP)
+@click.option("-k", "pattern", metavar="PATTERN", help=SELECT_HELP)
 @click.option("-v", "--verbose", is_flag=True,
               help="Show every progress event and the traceback of runner errors.")
 @click.pass_context
 def run_command(ctx: click.Context, paths: tuple[str, ...], json_path: Path | None,
-                verbose: bool) -> None:
+                junit_path: Path | None, html_path: Path | None, fail_fast: bool,
+                pattern: str | None, verbose: bool) -> None:
     """Run scenarios and compare every token with a fault-free run.
 
     FILE_OR_DIR may be a scenario file, a directory of them or a glob.
     """
     err, out = _stderr(), _stdout()
-    scenarios = _load_all(list(paths), err)
+    scenarios = _select(_load_all(list(paths), err), pattern, err)
     runner = _import_runner()
     results: list[ScenarioResult] = []
+    skipped: list[SkippedScenario] = []
     interrupted = False
     try:
         with RunProgress(err, total=len(scenarios), verbose=verbose) as progress:
@@ -120,16 +147,30 @@ def run_command(ctx: click.Context, paths: tuple[str, ...], json_path: Path | No
                 result = _run_one(runner, scenario, file, progress, err, verbose)
                 results.append(result)
                 progress.finish(result)
+                if fail_fast and Verdict(result.verdict) is not Verdict.PASS:
+                    why = f"not run: --fail-fast stopped after {result.name} ({result.verdict})"
+                    skipped = _unrun(scenarios, len(results), why)
+                    break
     except KeyboardInterrupt:
         interrupted = True
-    if results:
-        out.print(VerdictReport(results))
+        skipped = _unrun(scenarios, len(results), "not run to the end: interrupted")
+    if results or skipped:
+        out.print(VerdictReport(results, skipped=skipped))
     code = EXIT_INTERRUPTED if interrupted else exit_code(results)
-    if json_path is not None and not _write_report(results, json_path, err):
+    written = _write_reports(results, skipped, err, json_path=json_path,
+                             junit_path=junit_path, html_path=html_path)
+    if not written:
         code = code if interrupted else EXIT_USAGE
     if interrupted:
         err.print("interrupted", style="bold red")
     ctx.exit(code)
+
+
+def _unrun(scenarios: Sequence[tuple[str, Any]], done: int, reason: str
+           ) -> list[SkippedScenario]:
+    """The scenarios after the first ``done``, as skipped for ``reason``."""
+    return [SkippedScenario(name=str(scenario.name), file=file, reason=reason)
+            for file, scenario in scenarios[done:]]
 
 
 def _load_all(paths: list[str], err: Console) -> list[tuple[str, Any]]:
@@ -175,16 +216,144 @@ def _run_one(runner: Runner, scenario: Any, file: str, sink: EventSink, err: Con
                               faults=planned_faults(scenario))
 
 
-def _write_report(results: Sequence[ScenarioResult], path: Path, err: Console) -> bool:
-    from ftkit.report import write_json_report
+def _write_reports(results: Sequence[ScenarioResult], skipped: Sequence[SkippedScenario],
+                   err: Console, *, json_path: Path | None = None,
+                   junit_path: Path | None = None, html_path: Path | None = None,
+                   report: dict[str, Any] | None = None) -> bool:
+    """Write every requested report; False if one could not be written (the others are).
 
+    From ``report`` (a loaded journal) when given, else from ``results`` and ``skipped``.
+    """
+    from ftkit.report import write_html_report, write_json_report, write_junit_report
+
+    source: Any = results if report is None else report
+    writers = (("JSON", json_path, write_json_report, results),
+               ("JUnit", junit_path, write_junit_report, source),
+               ("HTML", html_path, write_html_report, source))
+    written = True
+    for label, path, write, what in writers:
+        if path is None:
+            continue
+        try:
+            write(what, path, skipped=skipped)
+        except (OSError, ImportError, FtkitError) as exc:
+            _print_error(err, f"cannot write the {label} report {path}: {exc}")
+            written = False
+            continue
+        err.print(f"{label} report written to {path}", markup=False)
+    return written
+
+
+# --- scenario selection (-k) ----------------------------------------------------------------
+
+def _select(scenarios: list[tuple[str, Any]], pattern: str | None,
+            err: Console) -> list[tuple[str, Any]]:
+    """The scenarios whose name matches ``-k PATTERN`` (all without one), or exit 2."""
+    if pattern is None:
+        return scenarios
     try:
-        write_json_report(results, path)
-    except OSError as exc:
-        _print_error(err, f"cannot write the JSON report {path}: {exc}")
-        return False
-    err.print(f"report written to {path}", markup=False)
-    return True
+        matches = name_matcher(pattern)
+    except ValueError as exc:
+        _print_error(err, f"bad -k expression {pattern!r}: {exc}")
+        raise click.exceptions.Exit(EXIT_USAGE) from None
+    selected = [(file, s) for file, s in scenarios if matches(str(s.name))]
+    if not selected:
+        names = ", ".join(str(s.name) for _, s in scenarios)
+        _print_error(err, f"no scenario matches -k {pattern!r} (found: {names})")
+        raise click.exceptions.Exit(EXIT_USAGE)
+    return selected
+
+
+_K_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+_K_KEYWORDS = {"and", "or", "not"}
+
+
+def name_matcher(expression: str) -> Callable[[str], bool]:
+    """A predicate on scenario names for ``-k EXPRESSION``, like pytest's ``-k``.
+
+    A word matches a name that contains it (case-insensitive). Words combine with ``not``,
+    ``and``, ``or`` (in that precedence) and parentheses: ``oom and not (flap or exhausted)``.
+    Raises ``ValueError`` for an empty or malformed expression.
+    """
+    tokens = _K_TOKEN.findall(expression)
+    if not tokens:
+        raise ValueError("empty expression")
+    position = 0
+
+    def peek() -> str | None:
+        return tokens[position] if position < len(tokens) else None
+
+    def take() -> str:
+        nonlocal position
+        token = peek()
+        if token is None:
+            raise ValueError("unexpected end of expression")
+        position += 1
+        return token
+
+    def either() -> Callable[[str], bool]:
+        parts = [both()]
+        while peek() == "or":
+            take()
+            parts.append(both())
+        return lambda name: any(part(name) for part in parts)
+
+    def both() -> Callable[[str], bool]:
+        parts = [negation()]
+        while peek() == "and":
+            take()
+            parts.append(negation())
+        return lambda name: all(part(name) for part in parts)
+
+    def negation() -> Callable[[str], bool]:
+        token = take()
+        if token == "not":
+            inner = negation()
+            return lambda name: not inner(name)
+        if token == "(":
+            inner = either()
+            if peek() != ")":
+                raise ValueError("missing ')'")
+            take()
+            return inner
+        if token in _K_KEYWORDS or token == ")":
+            raise ValueError(f"unexpected {token!r}")
+        word = token.lower()
+        return lambda name: word in name.lower()
+
+    predicate = either()
+    if position != len(tokens):
+        raise ValueError(f"unexpected {tokens[position]!r}")
+    return predicate
+
+
+# --- report ---------------------------------------------------------------------------------
+
+@ftkit.command("report")
+@click.argument("journal", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help=HTML_HELP)
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
+              help=JUNIT_HELP)
+def report_command(journal: Path, html_path: Path | None, junit_path: Path | None) -> None:
+    """Render a saved JSON report (written by "ftkit run --json") again.
+
+    Prints the verdict table and writes the HTML and JUnit reports that are asked for.
+    """
+    from ftkit.report import read_json_report, results_from_report, skipped_from_report
+
+    err = _stderr()
+    try:
+        data = read_json_report(journal)
+        results, skipped = results_from_report(data), skipped_from_report(data)
+    except FtkitError as exc:
+        _print_error(err, exc)
+        raise click.exceptions.Exit(EXIT_USAGE) from None
+    _stdout().print(VerdictReport(results, skipped=skipped))
+    # The journal already lists its skipped scenarios: the writers read them from it.
+    if not _write_reports(results, (), err, junit_path=junit_path, html_path=html_path,
+                          report=data):
+        raise click.exceptions.Exit(EXIT_USAGE)
 
 
 # --- validate / schema / list ---------------------------------------------------------------

@@ -25,9 +25,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ftkit.events import ProgressEvent
+from ftkit.report.journal import SkippedScenario
+from ftkit.report.table import TABLE_COLUMNS, table_cells, verdict_label
 from ftkit.results import ScenarioResult, Verdict
 
 __all__ = [
+    "SKIPPED_STYLE",
     "VERDICT_STYLES",
     "RunProgress",
     "VerdictReport",
@@ -38,13 +41,16 @@ __all__ = [
 
 #: How each verdict is shown: (label, style).
 VERDICT_STYLES: dict[Verdict, tuple[str, str]] = {
-    Verdict.PASS: ("PASS", "bold green"),
-    Verdict.FAIL: ("FAIL", "bold red"),
-    Verdict.NOT_APPLIED: ("NOT APPLIED", "bold yellow"),
-    Verdict.ERROR: ("ERROR", "bold magenta"),
+    verdict: (verdict_label(verdict), style) for verdict, style in (
+        (Verdict.PASS, "bold green"),
+        (Verdict.FAIL, "bold red"),
+        (Verdict.NOT_APPLIED, "bold yellow"),
+        (Verdict.ERROR, "bold magenta"),
+    )
 }
 
-_NONE = "-"
+#: How a scenario that was not run is shown.
+SKIPPED_STYLE = ("SKIPPED", "dim")
 
 
 def verdict_text(verdict: Verdict | str) -> Text:
@@ -64,56 +70,42 @@ def error_lines(message: str) -> list[Text]:
 # --- the verdict report ---------------------------------------------------------------------
 
 def verdict_table(results: Sequence[ScenarioResult]) -> Table:
-    """One row per scenario.
+    """One row per scenario, the columns of ``ftkit.report.table.TABLE_COLUMNS``.
 
     Columns: scenario, verdict, requests, tokens (compared), divergence (the first, as
     "req R tok T"), faults (fired/planned), re-inferences, recovery (total seconds).
     """
     table = Table(title="ftkit verdicts", title_justify="left")
-    table.add_column("scenario", overflow="fold", min_width=12)
-    table.add_column("verdict", no_wrap=True)
-    for header in ("requests", "tokens", "divergence", "faults", "re-inferences", "recovery"):
+    name_header, verdict_header, *number_headers = TABLE_COLUMNS
+    table.add_column(name_header, overflow="fold", min_width=12)
+    table.add_column(verdict_header, no_wrap=True)
+    for header in number_headers:
         table.add_column(header, justify="right", no_wrap=True)
     for result in results:
-        table.add_row(
-            Text(result.name),
-            verdict_text(result.verdict),
-            str(len(result.requests)),
-            str(result.tokens_compared),
-            _divergence_cell(result),
-            _faults_cell(result),
-            str(result.reinferences),
-            _recovery_cell(result),
-        )
+        name, _, *numbers = table_cells(result)
+        table.add_row(Text(name), verdict_text(result.verdict), *numbers)
     return table
 
 
-def _divergence_cell(result: ScenarioResult) -> str:
-    divergence = result.first_divergence
-    return _NONE if divergence is None else f"req {divergence[0]} tok {divergence[1]}"
-
-
-def _faults_cell(result: ScenarioResult) -> str:
-    fired = sum(1 for f in result.faults if f.fired)
-    return f"{fired}/{len(result.faults)}"
-
-
-def _recovery_cell(result: ScenarioResult) -> str:
-    return f"{result.recovery_s:.3f} s" if result.recoveries else _NONE
-
-
 class VerdictReport:
-    """The final report: the verdict table, the reason of every non-pass, a summary line."""
+    """The final report: the verdict table, the reason of every non-pass, what was not run
+    (``skipped``), and a summary line."""
 
-    def __init__(self, results: Sequence[ScenarioResult]) -> None:
+    def __init__(self, results: Sequence[ScenarioResult],
+                 skipped: Sequence[SkippedScenario] = ()) -> None:
         self.results = list(results)
+        self.skipped = list(skipped)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield verdict_table(self.results)
+        if self.results:
+            yield verdict_table(self.results)
         for result in self.results:
             if Verdict(result.verdict) is not Verdict.PASS:
                 yield Text.assemble(verdict_text(result.verdict), " ", (result.name, "bold"),
                                     ": ", result.reason or "(no reason given)")
+        for skipped in self.skipped:
+            yield Text.assemble(Text(*SKIPPED_STYLE), " ", (skipped.name, "bold"), ": ",
+                                skipped.reason)
         yield self.summary()
 
     def summary(self) -> Text:
@@ -125,8 +117,12 @@ class VerdictReport:
             if count:
                 label, style = VERDICT_STYLES[verdict]
                 parts.extend([Text(f"{count} {label.lower()}", style=style), ", "])
+        if self.skipped:
+            label, style = SKIPPED_STYLE
+            parts.extend([Text(f"{len(self.skipped)} {label.lower()}", style=style), ", "])
         total_s = sum(r.duration_s for r in self.results)
-        return Text.assemble(*parts[:-1], f" ({len(self.results)} scenario(s), {total_s:.1f} s)")
+        total = len(self.results) + len(self.skipped)
+        return Text.assemble(*parts[:-1], f" ({total} scenario(s), {total_s:.1f} s)")
 
 
 # --- live progress --------------------------------------------------------------------------

@@ -17,15 +17,17 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ftkit.backends import shm
 from ftkit.backends.base import CommGroup
 from ftkit.faults import CommunicationStopped, LinkError
-from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S
+from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger("ftkit")
 
@@ -36,24 +38,34 @@ class AbortableCollectives:
     """Stands in for ``torch.distributed`` as a communicator's ``dist_module``.
 
     Only the collectives vLLM's CPU communicator calls are provided; anything else raises
-    ``AttributeError`` at once rather than bypassing the stop logic.
+    ``AttributeError`` at once rather than bypassing the stop logic. Collectives that fit a
+    shared-memory slot go through the group's ``ShmGroup``; the others through gloo.
     """
 
     def __init__(self, backend: CpuBackend) -> None:
         self._backend = backend
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
-        self._backend.run_collective("all_reduce", lambda: dist.all_reduce(
-            tensor, op=op, group=group, async_op=True))
+        shm = self._backend.shm_for(group, tensor) if op == dist.ReduceOp.SUM else None
+        self._backend.run_collective(
+            "all_reduce",
+            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+            shm and (lambda: shm.all_reduce(tensor)))
 
     def gather(self, tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None) -> None:
-        self._backend.run_collective("gather", lambda: dist.gather(
-            tensor, gather_list, dst=dst, group=group, async_op=True))
+        shm = self._backend.shm_for(group, tensor)
+        self._backend.run_collective(
+            "gather",
+            lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=True),
+            shm and (lambda: shm.gather(tensor, gather_list, dist.get_group_rank(group, dst))))
 
     def all_gather_into_tensor(self, output: torch.Tensor, input_: torch.Tensor,
                                group=None) -> None:
-        self._backend.run_collective("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(
-            output, input_, group=group, async_op=True))
+        shm = self._backend.shm_for(group, input_)
+        self._backend.run_collective(
+            "all_gather_into_tensor",
+            lambda: dist.all_gather_into_tensor(output, input_, group=group, async_op=True),
+            shm and (lambda: shm.all_gather_into_tensor(output, input_)))
 
     def all_gather(self, tensor_list, tensor: torch.Tensor, group=None) -> None:
         self._backend.run_collective("all_gather", lambda: dist.all_gather(
@@ -70,17 +82,23 @@ class AbortableCollectives:
 
 
 class CpuBackend:
-    """Backend for vLLM's CPU platform (gloo)."""
+    """Backend for vLLM's CPU platform: shared memory where it fits, gloo otherwise."""
 
     name = "cpu"
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, store=None, *, use_shm: bool = True,
+                 collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         self.rank = rank
+        self._store = store
+        self._use_shm = use_shm and store is not None and shm.available()
+        self._collective_timeout_s = collective_timeout_s
         self._groups: list[CommGroup] = []
+        self._shm: dict[int, shm.ShmGroup] = {}  # id(device_group) -> its segment
+        self._generation = 0
         self._stopped = threading.Event()
         self._link_down: str | None = None
         self.collectives = AbortableCollectives(self)
-        #: Collectives issued since the last ``reset_counter`` (for step-level injection).
+        #: Collectives issued (for tests and diagnostics).
         self.collectives_issued = 0
 
     # --- taking over ------------------------------------------------------------------------
@@ -95,6 +113,24 @@ class CpuBackend:
                 comm.dist_module = self.collectives
                 if hasattr(comm, "supports_tensor_dict"):
                     comm.supports_tensor_dict = False
+        self._open_segments()
+
+    def _open_segments(self) -> None:
+        for segment in self._shm.values():
+            segment.close()
+        self._shm = {}
+        if not self._use_shm:
+            return
+        for g in self._groups:
+            _, device_group = g.current_groups()
+            key = f"ftkit/shm/{g.name}/{self._generation}"
+            self._shm[id(device_group)] = shm.rendezvous(
+                self._store, key, g.ranks.index(self.rank), len(g.ranks),
+                stopped=self._stopped.is_set, timeout_s=self._collective_timeout_s)
+
+    def shm_for(self, group, tensor: torch.Tensor) -> shm.ShmGroup | None:
+        segment = self._shm.get(id(group))
+        return segment if segment is not None and segment.fits(tensor) else None
 
     # --- the fault model --------------------------------------------------------------------
 
@@ -106,13 +142,22 @@ class CpuBackend:
     def link_is_down(self) -> bool:
         return self._link_down is not None
 
-    def run_collective(self, op: str, issue) -> None:
+    def run_collective(self, op: str, issue, run_shm=None) -> None:
+        """Run one collective unless the link is down or a stop was asked for.
+
+        ``run_shm`` (the shared-memory path) spins with its own stop checks; ``issue`` starts
+        the gloo path asynchronously, waited for in slices with a stop check between them.
+        """
         self.collectives_issued += 1
         if self._link_down is not None:
             raise LinkError(f"{self._link_down} (rank {self.rank}, {op})")
         if self._stopped.is_set():
             raise CommunicationStopped(f"rank {self.rank}: {op} stopped: a peer failed")
+        if run_shm is not None:
+            run_shm()
+            return
         work = issue()
+        deadline = time.monotonic() + self._collective_timeout_s
         while True:
             try:
                 work.wait(_SLICE)
@@ -126,6 +171,9 @@ class CpuBackend:
                 # part in it, and this rank re-running it alone would be out of step.)
                 raise CommunicationStopped(f"rank {self.rank}: {op} stopped while blocked: "
                                            "a peer failed")
+            if time.monotonic() > deadline and not work.is_completed():
+                raise TimeoutError(f"rank {self.rank}: {op} timed out after "
+                                   f"{self._collective_timeout_s:g} s")
 
     # --- recovery ---------------------------------------------------------------------------
 
@@ -151,8 +199,10 @@ class CpuBackend:
             new_dev = new_cpu if old_dev is old_cpu else dist.new_group(
                 g.ranks, backend="gloo", timeout=timeout)
             g.replace_groups(new_cpu, new_dev)
-        self._link_down = None
         self._stopped.clear()
+        self._generation += 1
+        self._open_segments()
+        self._link_down = None
 
 
 def _abort_quietly(pg: Any) -> None:

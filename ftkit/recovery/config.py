@@ -22,6 +22,9 @@ CONFIG_KEY = "fault_tolerance"
 #: healthy rank stays blocked after its monitor was told to stop (detection is event driven;
 #: this only paces the unblocking of a collective that a peer never joined).
 COLLECTIVE_STOP_SLICE_S = 0.005
+#: Bound on one collective that a peer never joins and no stop ends (a peer hung without
+#: announcing a fault): it then raises instead of blocking forever.
+COLLECTIVE_TIMEOUT_S = 120.0
 #: The monitor's wait for a fault announcement wakes up this often only to notice a shutdown.
 MONITOR_WAKE_S = 60.0
 #: Default bound on every wait inside one recovery round (peers reporting, rebuild, done).

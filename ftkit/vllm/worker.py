@@ -17,14 +17,14 @@ from ftkit.vllm.runner_state import V1RunnerState
 log = logging.getLogger("ftkit")
 
 
-def make_backend(rank: int) -> Any:
+def make_backend(rank: int, store: Any) -> Any:
     from vllm.platforms import current_platform
 
     device = current_platform.device_type
     if device == "cpu":
         from ftkit.backends.cpu import CpuBackend
 
-        return CpuBackend(rank)
+        return CpuBackend(rank, store)
     raise FtkitError(f"ftkit: no recovery backend for platform {device!r} yet")
 
 
@@ -70,7 +70,8 @@ class FtkitWorker:
         runner = self.worker.model_runner
         state = V1RunnerState(runner)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.backend = make_backend(self.rank)
+        store = dist.distributed_c10d._get_default_store() if world > 1 else None
+        self.backend = make_backend(self.rank, store.clone() if store is not None else None)
         if world > 1:
             from ftkit.vllm.comms import vllm_groups
 
@@ -85,7 +86,6 @@ class FtkitWorker:
         coordinator = Coordinator(self.rank, world, max_reinference=self.config.max_reinference,
                                   round_timeout_s=timeout, rebuild=rebuild)
         if world > 1:
-            store = dist.distributed_c10d._get_default_store()
             main_channel: Any = StoreChannel(store.clone())
             factory: Any = lambda: StoreChannel(store.clone())  # noqa: E731 - one client a thread
         else:

@@ -1,0 +1,216 @@
+"""The HTML report: one self-contained page with the verdict table and a fault timeline."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+from click.testing import CliRunner
+from rich.console import Console
+
+from ftkit.report import (
+    SkippedScenario,
+    read_json_report,
+    table_cells,
+    write_html_report,
+    write_json_report,
+)
+from ftkit.report.html import html_report
+from ftkit.report.timeline import token_latencies
+from ftkit.results import (
+    FaultRecord,
+    FiredAt,
+    RecoveryRecord,
+    RequestComparison,
+    ScenarioResult,
+    Verdict,
+)
+from ftkit_cli.main import ftkit
+from ftkit_cli.render import VerdictReport
+
+EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", re.IGNORECASE)
+
+
+def times(count: int, *, stall_at: int | None = None) -> list[float]:
+    """Token arrival times 20 ms apart, with a 1 s stall before token ``stall_at``."""
+    out, now = [], 0.3
+    for index in range(count):
+        now += 0.02 + (1.0 if index == stall_at else 0.0)
+        out.append(round(now, 4))
+    return out
+
+
+def recovered() -> ScenarioResult:
+    return ScenarioResult(
+        name="oom-decode", file="scenarios/oom-decode.yaml", verdict=Verdict.PASS,
+        reason="2 request(s) match the baseline", duration_s=8.0, tokens_per_s=40.0,
+        requests=[RequestComparison(index=i, expected=list(range(16)), actual=list(range(16)),
+                                    first_divergence=None,
+                                    actual_times=times(16, stall_at=5)) for i in range(2)],
+        faults=[FaultRecord(kind="oom", rank=0, request=0, token=5, phase="forward", times=2,
+                            fired=True, fired_at=FiredAt(0, 5, 6), attempts=2, recovered=True,
+                            recovery_s=0.9, at_s=0.42)],
+        recoveries=[RecoveryRecord(step=6, kind="oom", decision="recompute", attempt=n,
+                                   ranks=[0], duration_s=0.45, at_s=0.42 + 0.45 * (n - 1))
+                    for n in (1, 2)],
+    )
+
+
+def diverged() -> ScenarioResult:
+    actual = list(range(16))
+    actual[9] = 777
+    return ScenarioResult(
+        name="flap<script>", file="scenarios/flap.yaml", verdict=Verdict.FAIL,
+        reason="request 1 diverges at token 9: expected 9, got 777 & <more>", duration_s=6.0,
+        requests=[RequestComparison(index=0, expected=list(range(16)), actual=list(range(16)),
+                                    first_divergence=None, actual_times=times(16)),
+                  RequestComparison(index=1, expected=list(range(16)), actual=actual,
+                                    first_divergence=9, actual_times=times(16))],
+        faults=[FaultRecord(kind="link_flap", rank=1, request=1, token=8, phase="sample",
+                            times=3, fired=True, fired_at=FiredAt(1, 8, 9), attempts=3,
+                            at_s=0.45)],
+        error="RuntimeError: <gloo> broke",
+    )
+
+
+def untimed() -> ScenarioResult:
+    return ScenarioResult(name="never-ran", file="n.yaml", verdict=Verdict.ERROR,
+                          reason="the engine did not start", duration_s=0.5)
+
+
+RESULTS = [recovered(), diverged(), untimed()]
+SKIPPED = [SkippedScenario("later", "later.yaml", "not run: --fail-fast stopped after x")]
+
+
+class _Tables(HTMLParser):
+    """The text of every cell of the first table, row by row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self._tables = 0
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self._tables += 1
+        elif tag == "tr" and self._tables == 1:
+            self.rows.append([])
+        elif tag in ("td", "th") and self._tables == 1:
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def verdict_rows(page: str) -> list[list[str]]:
+    parser = _Tables()
+    parser.feed(page)
+    return parser.rows
+
+
+def svgs(page: str) -> list[str]:
+    return re.findall(r"<svg\b.*?</svg>", page, re.DOTALL)
+
+
+def test_page_is_self_contained_with_one_timeline_per_timed_scenario(tmp_path):
+    page = write_html_report(RESULTS, tmp_path / "out" / "r.html", skipped=SKIPPED
+                             ).read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>")
+    assert len(svgs(page)) == 2
+    assert "No token times were recorded" in page
+    assert not EXTERNAL.search(page)
+    assert "<script" not in page and "<link" not in page
+    assert not re.search(r"url\((?!#)", page)  # only references inside the page
+    assert "<?xml" not in page and "<!DOCTYPE svg" not in page
+
+
+def test_verdict_table_has_the_cli_columns_and_cells():
+    rows = verdict_rows(html_report(RESULTS))
+    assert rows[0] == ["scenario", "verdict", "requests", "tokens", "divergence", "faults",
+                       "re-inferences", "recovery"]
+    assert rows[1:] == [list(table_cells(r)) for r in RESULTS]
+    assert rows[2][4] == "req 1 tok 9"
+
+
+def test_timeline_marks_faults_recoveries_and_the_divergence():
+    first, second = svgs(html_report(RESULTS))
+    assert "oom rank 0, 2 attempts" in first
+    assert "recovery round" in first
+    assert "request 1" in first
+    assert "link_flap rank 1, 3 attempts" in second
+    assert "divergence: request 1 token 9" in second
+    assert "recovery round" not in second
+
+
+def test_divergence_table_shows_expected_and_actual_around_the_token():
+    page = html_report(RESULTS)
+    assert '<td class="diverged">9</td>' in page
+    assert '<td class="diverged">777</td>' in page
+    section = page[page.index("<h3>Divergence</h3>"):]
+    assert [f"<th>{i}</th>" in section for i in (5, 6, 12, 13)] == [False, True, True, False]
+
+
+def test_every_text_is_escaped():
+    page = html_report(RESULTS, skipped=SKIPPED)
+    assert "flap<script>" not in page and "flap&lt;script&gt;" in page
+    assert "&lt;gloo&gt; broke" in page
+    assert "777 &amp; &lt;more&gt;" in page
+    assert "later (later.yaml): not run: --fail-fast" in page
+    assert "1 skipped" in page
+
+
+def test_token_latency_is_the_gap_to_the_previous_token():
+    assert token_latencies([0.5, 0.6, 0.6, 1.6]) == [0.5, 0.09999999999999998, 0.0, 1.0]
+
+
+def test_rendering_is_reproducible_from_the_journal(tmp_path):
+    journal = read_json_report(write_json_report(RESULTS, tmp_path / "r.json",
+                                                 skipped=SKIPPED))
+    assert html_report(journal) == html_report(journal)
+    from_results = html_report(RESULTS, skipped=SKIPPED)
+    # Only the provenance line (when, on what) may differ between results and journal.
+    def body(page):
+        return re.sub(r'<p class="meta">created .*?</p>', "", page)
+    assert body(html_report(journal)) == body(from_results)
+
+
+def test_ftkit_report_renders_the_same_table_and_page_from_a_journal(tmp_path):
+    journal_path = write_json_report(RESULTS, tmp_path / "r.json", skipped=SKIPPED)
+    out_html, out_junit = tmp_path / "again.html", tmp_path / "again.xml"
+    result = CliRunner().invoke(ftkit, ["report", str(journal_path), "--html", str(out_html),
+                                        "--junit", str(out_junit)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    shown = Console(file=io.StringIO(), width=200, highlight=False)
+    shown.print(VerdictReport(RESULTS, skipped=SKIPPED))
+    assert result.stdout == shown.file.getvalue()
+    assert "1 skipped" in result.stdout
+    assert out_html.read_text(encoding="utf-8") == html_report(read_json_report(journal_path))
+    assert "<testsuites" in out_junit.read_text(encoding="utf-8")
+
+
+def test_ftkit_report_rejects_what_is_not_a_journal(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 1, "scenarios": [{"name": "x"}]}))
+    result = CliRunner().invoke(ftkit, ["report", str(bad), "--html", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "malformed" in result.stderr and "Traceback" not in result.output
+    missing = CliRunner().invoke(ftkit, ["report", str(tmp_path / "missing.json")])
+    assert missing.exit_code == 2 and "cannot read the report" in missing.stderr
+
+
+def test_importing_the_reports_does_not_import_matplotlib():
+    code = "import sys, ftkit.report; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    assert out.strip() == "False"
