@@ -41,6 +41,7 @@ from ftkit.faults import CommunicationStopped
 SLOT_BYTES = 4 << 20
 _HEADER_LINE = 64
 _SHM_DIR = Path("/dev/shm")
+_MAX_CACHED_VIEWS = 4096
 #: After this many fruitless turns a waiting rank yields its core on every turn.
 _SPINS_BEFORE_YIELD = 2000
 
@@ -73,6 +74,7 @@ class ShmGroup:
         self._data = torch.frombuffer(self._map, dtype=torch.uint8,
                                       offset=world * _HEADER_LINE)
         self._fence = threading.Lock()
+        self._views: dict[tuple, torch.Tensor] = {}
         self.seq = 0
 
     def fits(self, tensor: torch.Tensor) -> bool:
@@ -81,9 +83,17 @@ class ShmGroup:
     # --- the protocol ---------------------------------------------------------------------------
 
     def _slot(self, rank: int, seq: int, like: torch.Tensor) -> torch.Tensor:
-        start = (rank * 2 + seq % 2) * SLOT_BYTES
-        nbytes = like.numel() * like.element_size()
-        return self._data[start:start + nbytes].view(like.dtype).view(like.shape)
+        # Views are cached: a step issues the same few shapes over and over.
+        key = (rank, seq % 2, like.dtype, like.shape)
+        view = self._views.get(key)
+        if view is None:
+            start = (rank * 2 + seq % 2) * SLOT_BYTES
+            nbytes = like.numel() * like.element_size()
+            view = self._data[start:start + nbytes].view(like.dtype).view(like.shape)
+            if len(self._views) > _MAX_CACHED_VIEWS:
+                self._views.clear()
+            self._views[key] = view
+        return view
 
     def _wait(self, target: int, ranks) -> None:
         seqs = self._seqs
@@ -144,6 +154,7 @@ class ShmGroup:
     def close(self) -> None:
         self._seqs = None
         self._data = None
+        self._views = {}
         try:
             self._map.close()
         except BufferError:
