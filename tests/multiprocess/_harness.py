@@ -22,7 +22,7 @@ Faults are planned per rank, RPC, step, attempt and collective index:
 * ``exit_in_rebuild``: a link break, then the rank dies (``os._exit(18)``) when the round asks
   it to rebuild its communicators.
 
-Scenario keys: ``steps``, ``max_reinference``, ``round_timeout_s``, ``faults``, ``idle_gaps``
+Scenario keys: ``transport`` (``gloo``, the default, or ``shm``), ``steps``, ``max_reinference``, ``round_timeout_s``, ``faults``, ``idle_gaps``
 (a rank sleeps before a step, as if waiting for the next RPC), ``exit_barrier_s`` and ``debug``.
 
 Every rank writes what it saw to ``<outdir>/rank<r>.json``: outputs, rollbacks, rounds,
@@ -238,8 +238,13 @@ class Rig:
         self.group = StandInGroup("tp", ranks, self.comm)
         self.initial_groups = (cpu_group, device_group)
 
-        self.backend = CpuBackend(rank)
+        # "transport": "shm" gives the backend the job's store, so that the device group's
+        # collectives take the shared-memory path; the default is gloo alone.
+        shm_store = (dist.distributed_c10d._get_default_store().clone()
+                     if scenario.get("transport") == "shm" else None)
+        self.backend = CpuBackend(rank, shm_store)
         self.backend.take_over([self.group])
+        assert bool(self.backend._shm) == (shm_store is not None)
         assert self.comm.dist_module is self.backend.collectives
 
         self.coordinator = Coordinator(rank, world,

@@ -55,10 +55,12 @@ def link_fault(rank: int, step: int, *, at: int = 1, attempts: list[int] | None 
 
 # --- a. a link break --------------------------------------------------------------------------
 
-def test_link_break_blocks_peer_stops_it_and_both_rerun(tmp_path):
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_link_break_blocks_peer_stops_it_and_both_rerun(tmp_path, transport):
     steps = 5
     delay = 0.3  # rank 1 breaks its link this long after rank 0 entered the collective
-    r0, r1 = run(2, {"steps": steps, "faults": [link_fault(1, 3, delay_s=delay)]}, tmp_path)
+    r0, r1 = run(2, {"steps": steps, "transport": transport,
+                     "faults": [link_fault(1, 3, delay_s=delay)]}, tmp_path)
     no_error(r0)
     no_error(r1)
     expected = h.expected_outputs(2, steps)
@@ -89,10 +91,12 @@ def test_link_break_blocks_peer_stops_it_and_both_rerun(tmp_path):
 
 # --- b. a link flap ---------------------------------------------------------------------------
 
-def test_flap_within_max_reinference_recovers(tmp_path):
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_flap_within_max_reinference_recovers(tmp_path, transport):
     steps = 4
     fault = link_fault(1, 2, attempts=[0, 1, 2], delay_s=0.05)
-    r0, r1 = run(2, {"steps": steps, "max_reinference": 3, "faults": [fault]}, tmp_path)
+    r0, r1 = run(2, {"steps": steps, "max_reinference": 3, "faults": [fault],
+                     "transport": transport}, tmp_path)
     no_error(r0)
     no_error(r1)
     expected = h.expected_outputs(2, steps)

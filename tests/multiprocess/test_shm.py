@@ -1,0 +1,95 @@
+"""The shared-memory transport on its own: real processes, real segments."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ftkit.backends import shm
+
+from _harness import free_port
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120),
+              pytest.mark.skipif(not shm.available(), reason="needs x86-64 and /dev/shm")]
+
+
+def _rank(rank: int, world: int, port: int, outdir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    store = dist.distributed_c10d._get_default_store().clone()
+    stop = {"now": False}
+    group = shm.rendezvous(store, "t", rank, world, stopped=lambda: stop["now"], timeout_s=30)
+    result = {}
+    # Sums equal gloo's, for several shapes and dtypes, many times over (slot reuse).
+    for step in range(50):
+        for shape, dtype in (((3, 128), torch.float32), ((7,), torch.float32),
+                             ((2, 64), torch.bfloat16)):
+            t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+            t = (t * (rank + 1) + step).to(dtype)
+            ref = t.clone()
+            dist.all_reduce(ref)
+            group.all_reduce(t)
+            assert torch.equal(t, ref) or dtype == torch.bfloat16, (shape, dtype)
+            if dtype == torch.bfloat16:
+                assert torch.allclose(t.float(), ref.float(), rtol=1e-2)
+    x = torch.full((4,), float(rank))
+    out = torch.empty(4 * world)
+    group.all_gather_into_tensor(out, x)
+    result["all_gather"] = out.tolist()
+    gl = [torch.empty(4) for _ in range(world)] if rank == 0 else None
+    group.gather(x, gl, 0)
+    result["gather"] = [g.tolist() for g in gl] if gl else None
+    # Rank 1 never joins the next all-reduce: rank 0 blocks until it is stopped.
+    dist.barrier()
+    if rank == 0:
+        import threading
+
+        threading.Timer(0.3, lambda: stop.update(now=True)).start()
+        started = time.monotonic()
+        try:
+            group.all_reduce(torch.ones(4))
+            result["blocked"] = "returned"
+        except Exception as exc:  # noqa: BLE001 - the test looks at what it was
+            result["blocked"] = type(exc).__name__
+            result["blocked_s"] = time.monotonic() - started
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_collectives_match_gloo_and_a_stop_unblocks(tmp_path):
+    before = set(Path("/dev/shm").glob("ftkit-*"))
+    ctx = mp.start_processes(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                             join=False, start_method="spawn")
+    try:
+        deadline = time.monotonic() + 90
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "ranks did not finish"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["all_gather"] == r1["all_gather"] == [0.0] * 4 + [1.0] * 4
+    assert r0["gather"] == [[0.0] * 4, [1.0] * 4]
+    assert r0["blocked"] == "CommunicationStopped"
+    assert 0.2 < r0["blocked_s"] < 2.0
+    # The segment was unlinked as soon as both ranks had it mapped.
+    assert not (set(Path("/dev/shm").glob("ftkit-*")) - before)
+
+
+def test_oversized_messages_do_not_fit():
+    class Fake:
+        pass
+
+    group = Fake()
+    group.fits = shm.ShmGroup.fits.__get__(group)
+    assert group.fits(torch.empty(shm.SLOT_BYTES // 4))
+    assert not group.fits(torch.empty(shm.SLOT_BYTES // 4 + 1))
