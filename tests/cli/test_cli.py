@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +22,8 @@ from ftkit.results import (
     Verdict,
 )
 from ftkit_cli.main import ftkit
+
+from _stub_runner import install_stub_runner
 
 WIDE = {"COLUMNS": "200"}
 
@@ -180,23 +180,11 @@ def fake_runner(monkeypatch) -> Callable[[dict], list[str]]:
     """
 
     def install(outcomes: dict[str, Verdict | BaseException]) -> list[str]:
-        calls: list[str] = []
-
-        def run_scenario(scenario, *, file, on_event):
-            calls.append(scenario.name)
-            on_event(ProgressEvent(scenario.name, "engine_start", "starting engine"))
-            on_event(ProgressEvent(scenario.name, "tokens", tokens_done=4, tokens_total=16))
-            on_event(ProgressEvent(scenario.name, "fault", "link_break on rank 1 at step 3"))
-            on_event(ProgressEvent(scenario.name, "recovery", "recompute step 3 in 0.25 s"))
-            outcome = outcomes[scenario.name]
-            if isinstance(outcome, BaseException):
-                raise outcome
-            return fake_result(scenario.name, file, outcome)
-
-        module = types.ModuleType("ftkit.runner")
-        module.run_scenario = run_scenario
-        monkeypatch.setitem(sys.modules, "ftkit.runner", module)
-        return calls
+        return install_stub_runner(monkeypatch, outcomes, fake_result, events=(
+            ProgressEvent("", "engine_start", "starting engine"),
+            ProgressEvent("", "tokens", tokens_done=4, tokens_total=16),
+            ProgressEvent("", "fault", "link_break on rank 1 at step 3"),
+            ProgressEvent("", "recovery", "recompute step 3 in 0.25 s")))
 
     return install
 

@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import types
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,8 @@ from ftkit.results import (
     Verdict,
 )
 from ftkit_cli.main import ftkit, name_matcher
+
+from _stub_runner import install_stub_runner
 
 ROOT = Path(__file__).resolve().parents[2]
 FTKIT = [sys.executable, "-c", "from ftkit_cli.main import main; main()"]
@@ -85,19 +86,7 @@ def fake_runner(monkeypatch) -> Callable[[dict], list[str]]:
     """
 
     def install(outcomes: dict[str, Verdict | BaseException]) -> list[str]:
-        calls: list[str] = []
-
-        def run_scenario(scenario, *, file, on_event):
-            calls.append(scenario.name)
-            outcome = outcomes[scenario.name]
-            if isinstance(outcome, BaseException):
-                raise outcome
-            return fake_result(scenario.name, file, outcome)
-
-        module = types.ModuleType("ftkit.runner")
-        module.run_scenario = run_scenario
-        monkeypatch.setitem(sys.modules, "ftkit.runner", module)
-        return calls
+        return install_stub_runner(monkeypatch, outcomes, fake_result)
 
     return install
 
