@@ -78,8 +78,10 @@ class FaultAware:
 
     # --- main thread --------------------------------------------------------------------------
 
-    def enter_step(self, rpc: int, rpc_kind: RpcKind, step: int, timeout_s: float) -> None:
-        """Called before each attempt of a step RPC; waits while the monitor runs a round."""
+    def enter_step(self, rpc: int, rpc_kind: RpcKind, step: int, timeout_s: float) -> int:
+        """Called before each attempt of a step RPC; waits while the monitor runs a round.
+
+        Returns the number of recovery rounds this rank has completed (its epoch)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._owner != "monitor", timeout_s):
                 raise RecoveryError(f"recovery round {self.epoch} did not finish within "
@@ -88,6 +90,7 @@ class FaultAware:
                 raise RecoveryError(f"an earlier recovery round failed: {self._failed.reason}")
             self._in_step = True
             self._rpc, self._rpc_kind, self._step = rpc, rpc_kind, step
+            return self.epoch
 
     def exit_step_ok(self) -> Decision | None:
         """Called when a step RPC returned. Joins a round announced meanwhile, if any."""

@@ -36,6 +36,7 @@ class StepState(Protocol):
     def rollback_execute(self, record: Any) -> None: ...
     def begin_sample(self) -> Any: ...
     def rollback_sample(self, record: Any) -> None: ...
+    def reset_batch(self) -> None: ...
 
 
 class StepHook(Protocol):
@@ -60,6 +61,8 @@ class FaultTolerance:
         self.hooks: list[StepHook] = list(hooks or [])
         self.rpc = 0  # RPCs received (execute and sample), the same count on every rank
         self.step = 0  # execute_model calls received
+        #: Recovery rounds seen when the persistent batch was last laid out afresh.
+        self._layout_epoch = 0
 
     def execute_model(self, call: Callable[[Any], Any], scheduler_output: Any) -> Any:
         self.step += 1
@@ -78,7 +81,12 @@ class FaultTolerance:
         failures = 0
         first_failure = 0.0
         while True:
-            self.aware.enter_step(self.rpc, rpc_kind, self.step, self.gate_timeout_s)
+            epoch = self.aware.enter_step(self.rpc, rpc_kind, self.step, self.gate_timeout_s)
+            if rpc_kind is RpcKind.EXECUTE and epoch != self._layout_epoch:
+                # A round happened since this rank last laid out its batch: every rank
+                # rebuilds it from the request states, so that all lay it out alike.
+                self.state.reset_batch()
+                self._layout_epoch = epoch
             try:
                 for hook in self.hooks:
                     hook.on_attempt(rpc_kind, self.step, failures, arg)

@@ -187,11 +187,14 @@ class EngineSession:
 
     def generate(self, prompts: list[str], sampling: SamplingSpec, *, run_id: str | None = None,
                  deadline: float | None = None,
-                 on_tokens: Callable[[int, int], None] | None = None) -> GenerateResult:
+                 on_tokens: Callable[[int, int], None] | None = None,
+                 submit_after_steps: list[int] | None = None) -> GenerateResult:
         """Run the prompts to completion; never raises for an engine error (it is returned).
 
         ``deadline`` (``time.monotonic()``) is checked between engine steps; ``RunTimeout`` is
-        raised when it passes (the caller then closes the engine).
+        raised when it passes (the caller then closes the engine). ``submit_after_steps``
+        staggers arrivals: request *i* is submitted once the engine has run that many steps of
+        this workload (default: every request at once, before the first step).
         """
         from vllm import SamplingParams
 
@@ -204,32 +207,47 @@ class EngineSession:
         total = len(prompts) * sampling.max_tokens
         started_at = time.time()
         started = time.monotonic()
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(
-                max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                top_p=sampling.top_p, ignore_eos=True,
-                # One stream per request: the workload seed offset by the request index.
-                seed=None if sampling.seed is None else sampling.seed + i)
-            engine.add_request(request_id(run_id, i), prompt, params)
+        arrivals = list(submit_after_steps or [0] * len(prompts))
+        if len(arrivals) != len(prompts):
+            raise ValueError("submit_after_steps needs one entry per prompt")
+        waiting = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+        steps = 0
+
+        def submit_due() -> None:
+            while waiting and (arrivals[waiting[0]] <= steps
+                               or not engine.has_unfinished_requests()):
+                i = waiting.pop(0)
+                params = SamplingParams(
+                    max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                    top_p=sampling.top_p, ignore_eos=True,
+                    # One stream per request: the workload seed offset by the request index.
+                    seed=None if sampling.seed is None else sampling.seed + i)
+                engine.add_request(request_id(run_id, i), prompts[i], params)
+
         error = None
         try:
             done = 0
+            submit_due()
             while engine.has_unfinished_requests():
                 if deadline is not None and time.monotonic() > deadline:
                     raise RunTimeout("the workload did not finish before its deadline")
-                for out in engine.step():
+                step_outputs = engine.step()
+                # One time per engine step: the tokens of one step share it.
+                now = time.monotonic() - started
+                for out in step_outputs:
                     parsed = parse_request_id(out.request_id)
                     if parsed is None or parsed[0] != run_id:
                         continue
                     req = outputs[parsed[1]]
                     completion = out.outputs[0]
-                    now = time.monotonic() - started
                     new = list(completion.token_ids[len(req.token_ids):])
                     req.token_ids.extend(new)
                     req.token_times.extend([now] * len(new))
                     done += len(new)
                     if out.finished:
                         req.finish_reason = completion.finish_reason
+                steps += 1
+                submit_due()
                 if on_tokens is not None:
                     on_tokens(done, total)
         except RunTimeout:

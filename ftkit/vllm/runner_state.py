@@ -12,10 +12,12 @@ it had; and which requests are new. Rollback then
 
 * truncates those lists *in place* (vLLM shares them between views: identity must survive),
 * forgets requests the step introduced,
-* evicts the step's requests from the persistent batch, so that the re-run's
-  ``_update_states`` re-adds them from the restored request states, the same path vLLM takes
-  for a request that was not scheduled for a step. The batch rows are rebuilt from the request
+* empties the persistent batch (``reset_batch``), so that the re-run's ``_update_states``
+  re-adds every request from the restored request states, the same path vLLM takes for a
+  request that was not scheduled for a step. The batch rows are rebuilt from the request
   states (prompt + output tokens, block ids, generator), which are the source of truth.
+  Every rank empties its batch before its first step after a recovery round, whether it
+  rolled a step back or not, so that all ranks lay the batch out the same way.
 
 For sampling, the record holds the step's ``execute_model_state`` (``sample_tokens`` clears it
 before it samples), the state of every generator the batch samples with (seeded requests) and
@@ -96,11 +98,9 @@ class V1RunnerState:
 
     def rollback_execute(self, record: ExecuteRecord) -> None:
         runner = self.runner
-        batch = runner.input_batch
         runner.execute_model_state = None
         for req_id in record.new_req_ids:
             state = runner.requests.pop(req_id, None)
-            batch.remove_request(req_id)
             runner.num_prompt_logprobs.pop(req_id, None)
             if state is not None and hasattr(runner, "_on_request_state_removed"):
                 runner._on_request_state_removed(req_id, state)
@@ -113,6 +113,21 @@ class V1RunnerState:
                 for ids, n in zip(state.block_ids, block_lens):
                     del ids[n:]
             del state.output_token_ids[num_output:]
+        self.reset_batch()
+
+    def reset_batch(self) -> None:
+        """Empty the persistent batch; the next step re-adds its rows from the request states.
+
+        Tensor-parallel ranks must lay their batches out identically: the flattened tokens
+        of a step are summed position by position in every all-reduce. A rank that rolled a
+        step back and one that did not reach it would otherwise order their rows differently
+        (vLLM fills the holes a step leaves in the order of its own history). From an empty
+        batch, ``_update_states`` adds the step's requests in the order of the scheduler
+        output, which is the same on every rank. Cost: one re-add of each running request,
+        once per recovery.
+        """
+        batch = self.runner.input_batch
+        for req_id in list(batch.req_id_to_index):
             batch.remove_request(req_id)
         batch.condense()
 

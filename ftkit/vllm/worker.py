@@ -109,6 +109,6 @@ class FtkitWorker:
                       duration_s: float, wall: float) -> None:
         self.events.emit("recovery", epoch=epoch, state=status.state.value, step=status.step,
                          rpc=status.rpc, rpc_kind=status.rpc_kind.value,
-                         failures=status.failures, fault=status.kind,
+                         failures=status.failures, fault=status.kind, error=status.error,
                          decision=decision.action.value, reason=decision.reason,
                          kinds=list(decision.kinds), duration_s=duration_s, started=wall)

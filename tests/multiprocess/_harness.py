@@ -163,6 +163,8 @@ class RecordingState:
         self.acc = torch.zeros(VECTOR, dtype=torch.float64)
         self.step = 0
         self.rollbacks: list[list[Any]] = []
+        #: Steps before which the rank emptied its batch (its first execute after a round).
+        self.resets: list[int] = []
 
     def begin_execute(self, scheduler_output: Any) -> Any:
         self.step = scheduler_output
@@ -178,6 +180,9 @@ class RecordingState:
     def rollback_sample(self, record: Any) -> None:
         self.rollbacks.append(["sample", self.step])
         self.acc.copy_(record)
+
+    def reset_batch(self) -> None:
+        self.resets.append(self.step)
 
 
 class DyingChannel:
@@ -369,6 +374,7 @@ class Rig:
 
     def finish(self) -> None:
         self.record["rollbacks"] = self.state.rollbacks
+        self.record["resets"] = self.state.resets
         self.record["replacements"] = self.group.replacements
         cpu, dev = self.group.current_groups()
         self.record["groups_replaced"] = (cpu is not self.initial_groups[0]

@@ -155,6 +155,9 @@ def test_sample_fault_while_peer_idle_monitor_takes_part(tmp_path):
 
     assert r0["rollbacks"] == [["sample", 2]]
     assert r1["rollbacks"] == []
+    # Both ranks lay their batch out afresh before the first execute after the round, the
+    # one that rolled nothing back included: TP ranks must order their rows alike.
+    assert r0["resets"] == r1["resets"] == [3]
     assert [x["rpc"] for x in r0["recovered"]] == ["sample"]
     # The rebuild happened on both ranks: on rank 1 in its monitor thread.
     assert [b["thread"] for b in r0["rebuilds"]] == ["MainThread"]
@@ -240,6 +243,9 @@ def test_three_ranks_two_faults_in_one_step_then_a_sample_fault(tmp_path):
     assert r0["rollbacks"] == [["execute", 2], ["sample", 4]]
     # Ranks 1 and 2 were stopped in step 5's collectives and re-ran them.
     assert r1["rollbacks"] == r2["rollbacks"] == [["execute", 2], ["execute", 5]]
+    # Every rank emptied its batch before its first execute after each round: rank 0 before
+    # step 5's first attempt, ranks 1 and 2 before its re-run.
+    assert r0["resets"] == r1["resets"] == r2["resets"] == [2, 5]
     assert len(r1["link_errors"]) == len(r2["link_errors"]) == 1
     assert [(s["step"], s["index"]) for s in r0["stops"]] == [(2, 1)]
     assert [(s["step"], s["index"]) for s in r1["stops"]] == [(5, 0)]

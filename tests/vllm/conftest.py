@@ -102,6 +102,7 @@ def _no_orphans():
 @dataclass
 class FaultRun:
     tokens: list[list[int]]
+    token_times: list[list[float]]
     error: str | None
     fired: list[dict]
     rounds: list[dict]
@@ -109,7 +110,8 @@ class FaultRun:
 
 
 def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[dict],
-                    timeout_s: float = 120.0) -> FaultRun:
+                    timeout_s: float = 120.0, submit_after_steps: list[int] | None = None
+                    ) -> FaultRun:
     """Run the test prompts under ``faults`` and collect what the ranks recorded."""
     import time
 
@@ -119,10 +121,12 @@ def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[
     engine.set_fault_plan(run_id, faults)
     started = time.time()
     out = engine.generate(PROMPTS, sampling, run_id=run_id,
-                          deadline=time.monotonic() + timeout_s)
+                          deadline=time.monotonic() + timeout_s,
+                          submit_after_steps=submit_after_steps)
     events = [e for e in read_events(engine.recovery["journal_dir"]) if e["time"] >= started]
     return FaultRun(
         tokens=[r.token_ids for r in out.requests],
+        token_times=[r.token_times for r in out.requests],
         error=out.error,
         fired=[e for e in events if e["event"] == "fault_fired" and e["run_id"] == run_id],
         rounds=[e for e in events if e["event"] == "recovery"],

@@ -44,6 +44,33 @@ def test_link_break_recovers_on_every_rank(tp2_engine, baseline, rank, phase, wh
     assert run.tokens == baseline.tokens["greedy"]
 
 
+def test_sampling_fault_before_a_step_that_admits_a_late_request(tp2_engine, baseline):
+    """Regression (seen in CI): rank 1 re-samples step N while rank 0, already in step N+1,
+    is stopped there and rolls N+1 back; N+1 admits a request that arrived late. Rank 1
+    never ran N+1. Unless both ranks rebuild their batch alike, their rows come out in a
+    different order and every all-reduce of N+1 sums different tokens: wrong tokens for all.
+
+    Whether a run meets that condition depends on timing (the late request must join step
+    N+1, and rank 0 must already be in it), so the run is repeated until it does; every run's
+    tokens must be exact."""
+    arrivals = [0, 0, 0, 5]
+    met = 0
+    for _ in range(4):
+        run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", 1, 0, 5, "sample")],
+                              submit_after_steps=arrivals)
+        assert run.error is None and len(run.fired) == 1
+        assert run.tokens == baseline.tokens["greedy"]
+        states = {r["rank"]: (r["state"], r["rpc_kind"]) for r in run.rounds}
+        # Request 3's first token came from the step after the faulty one (request 0's
+        # token 6): tokens of one engine step share one time.
+        joined_next = run.token_times[3][0] == run.token_times[0][6]
+        if joined_next and states == {0: ("stopped", "execute"), 1: ("failed", "sample")}:
+            met += 1
+            if met == 2:
+                break
+    assert met, "no run had the late request join the step that rank 0 rolled back"
+
+
 def test_healthy_rank_was_really_blocked_and_stopped(tp2_engine, baseline):
     run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", 1, 0, 12, "forward")])
     assert run.error is None
