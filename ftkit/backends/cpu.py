@@ -25,7 +25,17 @@ import torch
 import torch.distributed as dist
 
 from ftkit.backends import shm
-from ftkit.backends.base import CommGroup
+from ftkit.backends.base import (
+    STEP_COMM_REBUILD,
+    STEP_DEVICE_RESTART,
+    STEP_OP_TIMEOUT,
+    STEP_RNG_STATE,
+    STEP_STOP,
+    STEP_UCE_DETECT,
+    Capability,
+    CommGroup,
+    MemoryFault,
+)
 from ftkit.faults import CommunicationStopped, LinkError
 from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
@@ -97,9 +107,25 @@ class CpuBackend:
         self._generation = 0
         self._stopped = threading.Event()
         self._link_down: str | None = None
+        self._memory_faults: list[MemoryFault] = []
+        #: Bound of a simulated hung operator (``set_op_timeout``); ``None``: no bound.
+        self.op_timeout_s: float | None = None
         self.collectives = AbortableCollectives(self)
         #: Collectives issued (for tests and diagnostics).
         self.collectives_issued = 0
+
+    def capabilities(self) -> dict[str, Capability]:
+        return {
+            STEP_STOP: Capability(True, "collectives issued so that a stop abandons them "
+                                  "(shared memory, asynchronous gloo)"),
+            STEP_DEVICE_RESTART: Capability(True, "the simulated device is restarted"),
+            STEP_COMM_REBUILD: Capability(True, "gloo groups aborted and created afresh; new "
+                                          "shared-memory segments"),
+            STEP_OP_TIMEOUT: Capability(True, "simulated operators raise after the timeout"),
+            STEP_UCE_DETECT: Capability(True, "injected memory errors are reported with their "
+                                        "address"),
+            STEP_RNG_STATE: Capability(True, "torch.get_rng_state / set_rng_state"),
+        }
 
     # --- taking over ------------------------------------------------------------------------
 
@@ -180,6 +206,21 @@ class CpuBackend:
     def stop_communication(self) -> None:
         self._stopped.set()
 
+    def is_stop_error(self, exc: BaseException) -> bool:
+        return isinstance(exc, CommunicationStopped)
+
+    def memory_faults(self) -> list[MemoryFault]:
+        return list(self._memory_faults)
+
+    def set_op_timeout(self, seconds: float | None) -> None:
+        self.op_timeout_s = seconds
+
+    def get_rng_state(self) -> Any:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: Any) -> None:
+        torch.set_rng_state(state)
+
     @property
     def stopped(self) -> bool:
         return self._stopped.is_set()
@@ -189,7 +230,7 @@ class CpuBackend:
         if "oom" in kinds:
             gc.collect()
 
-    def rebuild_communicators(self, timeout_s: float) -> None:
+    def rebuild_communicators(self, timeout_s: float, kinds: tuple[str, ...] = ()) -> None:
         for g in self._groups:
             old_cpu, old_dev = g.current_groups()
             for pg in {id(old_cpu): old_cpu, id(old_dev): old_dev}.values():

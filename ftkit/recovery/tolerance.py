@@ -50,7 +50,8 @@ class StepHook(Protocol):
 class FaultTolerance:
     def __init__(self, *, rank: int, aware: FaultAware, state: StepState,
                  gate_timeout_s: float, hooks: list[StepHook] | None = None,
-                 recovery_enabled: bool = True) -> None:
+                 recovery_enabled: bool = True,
+                 is_stop_error: Callable[[BaseException], bool] = is_peer_stop) -> None:
         self.rank = rank
         #: With recovery off the hooks (fault injection) still run and every error surfaces
         #: as it would without ftkit: the behaviour a scenario compares against.
@@ -59,6 +60,8 @@ class FaultTolerance:
         self.state = state
         self.gate_timeout_s = gate_timeout_s
         self.hooks: list[StepHook] = list(hooks or [])
+        #: Tells a stop of this rank (a peer failed) from a fault of its own; the backend's.
+        self.is_stop_error = is_stop_error
         self.rpc = 0  # RPCs received (execute and sample), the same count on every rank
         self.step = 0  # execute_model calls received
         #: Recovery rounds seen when the persistent batch was last laid out afresh.
@@ -98,7 +101,7 @@ class FaultTolerance:
                 first_failure = first_failure or time.monotonic()
                 decision = self.aware.join_after_failure(self._status(rpc_kind, failures, exc))
                 if not decision.recompute:
-                    if classify(exc) is None and not is_peer_stop(exc):
+                    if classify(exc) is None and not self.is_stop_error(exc):
                         raise  # not a fault ftkit handles: the engine sees the original error
                     error_cls = (ReinferenceExhausted if "max_reinference" in decision.reason
                                  else RecoveryError)
@@ -120,7 +123,7 @@ class FaultTolerance:
             return out
 
     def _status(self, rpc_kind: RpcKind, failures: int, exc: BaseException) -> RankStatus:
-        stopped = is_peer_stop(exc)
+        stopped = self.is_stop_error(exc)
         kind = classify(exc)
         return RankStatus(
             rank=self.rank,

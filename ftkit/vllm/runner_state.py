@@ -74,12 +74,25 @@ def check_supported(runner: Any) -> None:
                          + "; ".join(problems))
 
 
-class V1RunnerState:
-    """``StepState`` for vLLM's V1 ``GPUModelRunner`` and its subclasses."""
+class _HostRng:
+    def get_rng_state(self) -> Any:
+        return torch.get_rng_state()
 
-    def __init__(self, runner: Any) -> None:
+    def set_rng_state(self, state: Any) -> None:
+        torch.set_rng_state(state)
+
+
+class V1RunnerState:
+    """``StepState`` for vLLM's V1 ``GPUModelRunner`` and its subclasses.
+
+    ``rng``: where the default generator of the runner's device lives (the backend's
+    ``get_rng_state`` / ``set_rng_state``); the host generator when not given.
+    """
+
+    def __init__(self, runner: Any, rng: Any = None) -> None:
         check_supported(runner)
         self.runner = runner
+        self.rng = rng or _HostRng()
 
     # --- execute_model ----------------------------------------------------------------------
 
@@ -140,7 +153,7 @@ class V1RunnerState:
         for index, gen in batch.generators.items():
             record.generator_states[index] = gen.get_state()
         if batch.num_reqs and not batch.all_greedy:
-            record.global_rng = torch.get_rng_state()
+            record.global_rng = self.rng.get_rng_state()
             state = runner.execute_model_state
             if state is not None and getattr(state, "logits", None) is not None:
                 record.logits = state.logits.clone()
@@ -161,7 +174,7 @@ class V1RunnerState:
         for index, gen_state in record.generator_states.items():
             batch.generators[index].set_state(gen_state)
         if record.global_rng is not None:
-            torch.set_rng_state(record.global_rng)
+            self.rng.set_rng_state(record.global_rng)
         for index, req_id in enumerate(batch.req_ids):
             saved = record.tokens.get(req_id)
             if saved is None:

@@ -68,10 +68,10 @@ class FtkitWorker:
         import torch.distributed as dist
 
         runner = self.worker.model_runner
-        state = V1RunnerState(runner)
         world = dist.get_world_size() if dist.is_initialized() else 1
         store = dist.distributed_c10d._get_default_store() if world > 1 else None
         self.backend = make_backend(self.rank, store.clone() if store is not None else None)
+        state = V1RunnerState(runner, rng=self.backend)
         if world > 1:
             from ftkit.vllm.comms import vllm_groups
 
@@ -81,7 +81,7 @@ class FtkitWorker:
         def rebuild(decision: Decision) -> None:
             self.backend.recover_device(decision.kinds)
             if world > 1:
-                self.backend.rebuild_communicators(timeout)
+                self.backend.rebuild_communicators(timeout, decision.kinds)
 
         coordinator = Coordinator(self.rank, world, max_reinference=self.config.max_reinference,
                                   round_timeout_s=timeout, rebuild=rebuild)
@@ -103,7 +103,8 @@ class FtkitWorker:
                  self.config.max_reinference)
         return FaultTolerance(rank=self.rank, aware=self.aware, state=state,
                               gate_timeout_s=3 * timeout, hooks=[self.injector],
-                              recovery_enabled=self.config.enabled)
+                              recovery_enabled=self.config.enabled,
+                              is_stop_error=self.backend.is_stop_error)
 
     def _record_round(self, epoch: int, status: RankStatus, decision: Decision,
                       duration_s: float, wall: float) -> None:
