@@ -60,17 +60,31 @@ class SampleRecord:
 
 
 def check_supported(runner: Any) -> None:
-    """Refuse configurations whose step state this module does not know how to restore."""
+    """Refuse, at start, configurations whose step state this module cannot restore or whose
+    collectives ftkit cannot stop; every problem names the setting that removes it (the
+    Python engine argument, then the ``vllm serve`` flag or the environment variable)."""
     problems = []
-    if getattr(runner, "use_async_scheduling", False):
-        problems.append("asynchronous scheduling is on (set async_scheduling=False)")
+    scheduler = getattr(runner, "scheduler_config", None)
+    if getattr(runner, "use_async_scheduling", getattr(scheduler, "async_scheduling", False)):
+        problems.append("asynchronous scheduling is on (set async_scheduling=False; "
+                        "vllm serve --no-async-scheduling)")
     if getattr(runner, "speculative_config", None) is not None:
-        problems.append("speculative decoding is on")
+        problems.append("speculative decoding is on (leave speculative_config unset; "
+                        "vllm serve without --speculative-config)")
     if not hasattr(runner, "input_batch") or not hasattr(runner, "requests"):
-        problems.append(f"model runner {type(runner).__name__} is not vLLM's V1 runner "
-                        "(set VLLM_USE_V2_MODEL_RUNNER=0)")
+        kind = type(runner)
+        problems.append(f"model runner {kind.__module__}.{kind.__qualname__} is not vLLM's V1 "
+                        "runner (on GPU vLLM defaults to its V2 runner: set the environment "
+                        "variable VLLM_USE_V2_MODEL_RUNNER=0)")
+    device = getattr(runner, "device", None)
+    mode = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
+    if getattr(device, "type", None) == "cuda" and mode is not None \
+            and getattr(mode, "name", str(mode)) != "NONE":
+        problems.append("CUDA graphs are on (set enforce_eager=True; vllm serve "
+                        "--enforce-eager): ftkit waits for every collective on the host, "
+                        "which a captured graph cannot do")
     if problems:
-        raise FtkitError("ftkit recovery cannot restore this runner's step state: "
+        raise FtkitError("ftkit recovery does not support this vLLM configuration: "
                          + "; ".join(problems))
 
 

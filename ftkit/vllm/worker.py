@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ftkit.errors import FtkitError
+from ftkit.backends.platforms import backend_class
 from ftkit.inject import Injector
 from ftkit.recovery.aware import FaultAware
 from ftkit.recovery.config import RecoveryConfig
@@ -18,14 +18,10 @@ log = logging.getLogger("ftkit")
 
 
 def make_backend(rank: int, store: Any) -> Any:
+    """The backend of vLLM's current platform: cpu, cuda or npu (vllm-ascend)."""
     from vllm.platforms import current_platform
 
-    device = current_platform.device_type
-    if device == "cpu":
-        from ftkit.backends.cpu import CpuBackend
-
-        return CpuBackend(rank, store)
-    raise FtkitError(f"ftkit: no recovery backend for platform {device!r} yet")
+    return backend_class(current_platform.device_type)(rank, store)
 
 
 class FtkitWorker:

@@ -25,6 +25,21 @@ Faults are planned per rank, RPC, step, attempt and collective index:
 Scenario keys: ``transport`` (``gloo``, the default, or ``shm``), ``steps``, ``max_reinference``, ``round_timeout_s``, ``faults``, ``idle_gaps``
 (a rank sleeps before a step, as if waiting for the next RPC), ``exit_barrier_s`` and ``debug``.
 
+``backend`` chooses the backend the rig assembles (``cpu``, the default, as above):
+
+* ``ascend``: ``AscendBackend`` on the torch_npu stand-in of ``tests/contract/standin`` (put
+  first on ``sys.path`` of the rank; ``torch_npu`` options: ``restart_signature`` (``new`` or
+  ``old``) and ``missing`` (APIs left out)). Device ``r`` is rank ``r``'s NPU; the device group
+  is an ``hccl`` group (the stand-in's HCCL over gloo), the cpu group gloo, and the
+  communicator has the ``all_reduce`` of vLLM-Ascend's. Extra fault actions: ``device_error``
+  (``text``: the device raises it until restarted) and ``uce`` (``ptr``, ``size``: the
+  device reports a memory error there).
+* ``cuda``: ``CudaBackend`` over gloo device groups (``device_backend="gloo"``): its
+  host-waited collectives, stop, abort and rebuild run for real, without a GPU.
+
+Ranks record ``device`` (the stand-in's record of every torch_npu call, ascend only),
+``cpu_group_replaced`` and ``device_group_replaced``.
+
 Every rank writes what it saw to ``<outdir>/rank<r>.json``: outputs, rollbacks, rounds,
 rebuilds, the moments faults fired and collectives were stopped, and its final error.
 """
@@ -129,6 +144,34 @@ class Communicator:
         self.dist_module: Any = dist
         self.cpu_group = cpu_group
         self.device_group = device_group
+
+
+class NpuCommunicator:
+    """What the backend and the step use of vLLM-Ascend's ``NPUCommunicator``."""
+
+    def __init__(self, cpu_group: Any, device_group: Any) -> None:
+        self.cpu_group = cpu_group
+        self.device_group = device_group
+
+    def all_reduce(self, input_: Any) -> Any:
+        import torch.distributed as dist
+
+        dist.all_reduce(input_, group=self.device_group)
+        return input_
+
+
+class GpuCommunicator(NpuCommunicator):
+    """What the backend uses of vLLM's ``CudaCommunicator`` (whose collectives it replaces)."""
+
+    def __init__(self, cpu_group: Any, device_group: Any, ranks: list[int], rank: int) -> None:
+        super().__init__(cpu_group, device_group)
+        self.ranks = ranks
+        self.world_size = len(ranks)
+        self.rank_in_group = ranks.index(rank)
+
+    def all_reduce(self, input_: Any) -> Any:
+        out = input_.clone()
+        return super().all_reduce(out)
 
 
 class StandInGroup:
@@ -237,20 +280,35 @@ class Rig:
 
         ranks = list(range(world))
         timeout = timedelta(seconds=30)
+        self.backend_kind = scenario.get("backend", "cpu")
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        device_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        self.comm = Communicator(cpu_group, device_group)
-        self.group = StandInGroup("tp", ranks, self.comm)
+        device_group = dist.new_group(
+            ranks, backend="hccl" if self.backend_kind == "ascend" else "gloo", timeout=timeout)
         self.initial_groups = (cpu_group, device_group)
+        if self.backend_kind == "cpu":
+            self.comm: Any = Communicator(cpu_group, device_group)
+            # "transport": "shm" gives the backend the job's store, so that the device
+            # group's collectives take the shared-memory path; the default is gloo alone.
+            shm_store = (dist.distributed_c10d._get_default_store().clone()
+                         if scenario.get("transport") == "shm" else None)
+            self.backend: Any = CpuBackend(rank, shm_store)
+        elif self.backend_kind == "ascend":
+            from ftkit.backends.ascend import AscendBackend
 
-        # "transport": "shm" gives the backend the job's store, so that the device group's
-        # collectives take the shared-memory path; the default is gloo alone.
-        shm_store = (dist.distributed_c10d._get_default_store().clone()
-                     if scenario.get("transport") == "shm" else None)
-        self.backend = CpuBackend(rank, shm_store)
+            self.comm = NpuCommunicator(cpu_group, device_group)
+            self.backend = AscendBackend(rank, None, device_id=rank)
+        elif self.backend_kind == "cuda":
+            from ftkit.backends.cuda import CudaBackend
+
+            self.comm = GpuCommunicator(cpu_group, device_group, ranks, rank)
+            self.backend = CudaBackend(rank, None, device_backend="gloo")
+        else:
+            raise AssertionError(f"unknown backend {self.backend_kind!r}")
+        self.group = StandInGroup("tp", ranks, self.comm)
         self.backend.take_over([self.group])
-        assert bool(self.backend._shm) == (shm_store is not None)
-        assert self.comm.dist_module is self.backend.collectives
+        if self.backend_kind == "cpu":
+            assert bool(self.backend._shm) == (shm_store is not None)
+            assert self.comm.dist_module is self.backend.collectives
 
         self.coordinator = Coordinator(rank, world,
                                        max_reinference=int(scenario.get("max_reinference", 3)),
@@ -267,7 +325,8 @@ class Rig:
                                 on_round=self._on_round)
         self.state = RecordingState()
         self.tolerance = FaultTolerance(rank=rank, aware=self.aware, state=self.state,
-                                        gate_timeout_s=3 * self.round_timeout_s, hooks=[self])
+                                        gate_timeout_s=3 * self.round_timeout_s, hooks=[self],
+                                        is_stop_error=self.backend.is_stop_error)
         self.aware.start()
 
     # --- the StepHook protocol ------------------------------------------------------------
@@ -288,7 +347,7 @@ class Rig:
             self.write()
             os._exit(EXIT_IN_REBUILD)
         self.backend.recover_device(decision.kinds)
-        self.backend.rebuild_communicators(self.round_timeout_s)
+        self.backend.rebuild_communicators(self.round_timeout_s, decision.kinds)
 
     def _on_round(self, epoch: int, status: Any, decision: Any, duration_s: float,
                   wall: float) -> None:
@@ -323,6 +382,14 @@ class Rig:
                 raise MemoryError(f"injected out of memory at step {step}")
             elif action == "value_error":
                 raise ValueError(f"injected bug at step {step}")
+            elif action == "device_error":
+                from torch_npu import _standin
+
+                _standin.inject_device_error(f["text"])
+            elif action == "uce":
+                from torch_npu import _standin
+
+                _standin.inject_uce(f["ptr"], f["size"])
             else:
                 raise AssertionError(f"unknown fault action {action!r}")
 
@@ -332,17 +399,23 @@ class Rig:
         group = self.comm.device_group if COLLECTIVES[index] == "device" else self.comm.cpu_group
         entered = time.monotonic()
         try:
-            self.comm.dist_module.all_reduce(t, group=group)
-        except CommunicationStopped:
+            if self.backend_kind == "cpu":
+                self.comm.dist_module.all_reduce(t, group=group)
+            elif COLLECTIVES[index] == "device":
+                t.copy_(self.comm.all_reduce(t))  # through the (wrapped) communicator
+            else:
+                import torch.distributed as dist
+
+                dist.all_reduce(t, group=group)  # vLLM uses its cpu_group directly
+        except Exception as exc:
             _, step, attempt = self.current
-            self.record["stops"].append({"step": step, "attempt": attempt, "index": index,
-                                         "blocked_s": time.monotonic() - entered,
-                                         "at": time.time()})
-            raise
-        except LinkError:
-            _, step, attempt = self.current
-            self.record["link_errors"].append({"step": step, "attempt": attempt,
-                                               "index": index, "at": time.time()})
+            if isinstance(exc, LinkError):
+                self.record["link_errors"].append({"step": step, "attempt": attempt,
+                                                   "index": index, "at": time.time()})
+            elif isinstance(exc, CommunicationStopped) or self.backend.is_stop_error(exc):
+                self.record["stops"].append({"step": step, "attempt": attempt, "index": index,
+                                             "blocked_s": time.monotonic() - entered,
+                                             "at": time.time(), "error": str(exc)[:200]})
             raise
 
     def execute(self, step: int) -> Any:
@@ -379,6 +452,12 @@ class Rig:
         cpu, dev = self.group.current_groups()
         self.record["groups_replaced"] = (cpu is not self.initial_groups[0]
                                           and dev is not self.initial_groups[1])
+        self.record["cpu_group_replaced"] = cpu is not self.initial_groups[0]
+        self.record["device_group_replaced"] = dev is not self.initial_groups[1]
+        if self.backend_kind == "ascend":
+            from torch_npu import _standin
+
+            self.record["device"] = _standin.snapshot()
 
     def write(self) -> None:
         try:
@@ -403,13 +482,48 @@ def write_record(outdir: Path, rank: int, record: dict[str, Any]) -> None:
     os.replace(tmp, outdir / f"rank{rank}.json")
 
 
+class _WarningRecorder(logging.Handler):
+    """Keeps the ``ftkit`` logger's warnings and errors for the rank's record."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+#: The torch_npu stand-in the ``ascend`` backend runs on (``tests/contract/standin``).
+STANDIN_DIR = Path(__file__).resolve().parents[1] / "contract" / "standin"
+
+
+def _load_torch_npu_standin(rank: int, options: dict[str, Any]) -> None:
+    """Make ``import torch_npu`` find the stand-in, configured as ``options`` says, and bind
+    this rank's main thread to its NPU (device ``rank``), as vLLM-Ascend's worker does."""
+    import sys
+
+    if options.get("restart_signature"):
+        os.environ["FTKIT_STANDIN_RESTART_SIGNATURE"] = options["restart_signature"]
+    if options.get("missing"):
+        os.environ["FTKIT_STANDIN_MISSING"] = ",".join(options["missing"])
+    sys.path.insert(0, str(STANDIN_DIR))
+    import torch_npu
+
+    assert torch_npu.__file__.startswith(str(STANDIN_DIR)), torch_npu.__file__
+    torch_npu.npu.set_device(rank)
+
+
 def rank_main(rank: int, world: int, port: int, scenario: dict[str, Any], outdir: str) -> None:
     """One rank's process: set up, run the steps, record, and leave without teardown."""
     logging.basicConfig(level=logging.DEBUG if scenario.get("debug") else logging.WARNING,
                         format=f"[rank {rank} %(threadName)s] %(levelname)s %(message)s")
+    warnings = _WarningRecorder()
+    logging.getLogger("ftkit").addHandler(warnings)
     record: dict[str, Any] = {"rank": rank, "error": None}
     rig: Rig | None = None
     try:
+        if scenario.get("backend") == "ascend":
+            _load_torch_npu_standin(rank, scenario.get("torch_npu", {}))
         import torch
         import torch.distributed as dist
 
@@ -433,6 +547,7 @@ def rank_main(rank: int, world: int, port: int, scenario: dict[str, Any], outdir
                                               "at": time.time(), "mro": [],
                                               "traceback": traceback.format_exc()}
     finally:
+        record["warnings"] = warnings.messages
         write_record(Path(outdir), rank, record)
         # No process-group teardown: with a dead or failed peer it can block; the test only
         # needs the record, and the parent reaps the process.
