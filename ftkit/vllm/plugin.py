@@ -8,12 +8,21 @@ instance*: it leaves the platform's worker selection alone (CPU, CUDA and vllm-a
 
 The recovery engine itself is set up lazily at the first step, when the model runner and the
 process groups exist.
+
+vllm-ascend: its worker (``vllm_ascend.worker.worker.NPUWorker``) derives from ``WorkerBase``
+and is reached the same way. Recent vllm-ascend releases validate ``additional_config``
+strictly (``vllm_ascend.ascend_config.init_ascend_config`` builds a pydantic ``AscendConfig``
+with ``extra="forbid"``, and rejects every key it does not know): ``register`` lets that
+validation see everything but ftkit's own key.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import logging
+import sys
 from typing import Any
 
 from ftkit.recovery.config import CONFIG_KEY, RecoveryConfig
@@ -32,6 +41,7 @@ def register() -> None:
     """
     from vllm.v1.worker import worker_base
 
+    _hide_key_from_vllm_ascend()
     original = worker_base.WorkerBase.__init__
     if getattr(original, _MARK, False):
         return
@@ -43,6 +53,42 @@ def register() -> None:
 
     setattr(__init__, _MARK, True)
     worker_base.WorkerBase.__init__ = __init__
+
+
+def _hide_key_from_vllm_ascend() -> None:
+    """Make vllm-ascend's ``init_ascend_config`` validate ``additional_config`` without
+    ftkit's key (taken out for the call and put back after it), where vllm-ascend is
+    installed. Modules that imported the function by name already get the wrapper too."""
+    module = sys.modules.get("vllm_ascend.ascend_config")
+    if module is None:
+        if importlib.util.find_spec("vllm_ascend") is None:
+            return
+        try:
+            module = importlib.import_module("vllm_ascend.ascend_config")
+        except Exception as exc:  # noqa: BLE001 - vllm-ascend reports its own problems
+            log.warning("ftkit: cannot prepare vllm-ascend's config validation: %s", exc)
+            return
+    original = getattr(module, "init_ascend_config", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def init_ascend_config(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        extra = getattr(vllm_config, "additional_config", None)
+        if not isinstance(extra, dict) or CONFIG_KEY not in extra:
+            return original(vllm_config, *args, **kwargs)
+        ours = extra.pop(CONFIG_KEY)
+        try:
+            return original(vllm_config, *args, **kwargs)
+        finally:
+            extra[CONFIG_KEY] = ours
+
+    setattr(init_ascend_config, _MARK, True)
+    for loaded in list(sys.modules.values()):
+        # The module's own namespace only: a module ``__getattr__`` must not run here.
+        namespace = getattr(loaded, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get("init_ascend_config") is original:
+            namespace["init_ascend_config"] = init_ascend_config
 
 
 def install(worker: Any, vllm_config: Any) -> Any | None:

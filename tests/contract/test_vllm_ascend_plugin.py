@@ -10,6 +10,10 @@ the plugin are the real ones.
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -117,3 +121,43 @@ def test_without_fault_tolerance_in_additional_config_the_worker_is_untouched(re
 def test_a_typo_in_the_settings_stops_the_worker_with_the_known_keys(registered):
     with pytest.raises(FtkitError, match="unknown key.*max_reinferences.*known keys"):
         make_worker({"fault_tolerance": {"enabled": True, "max_reinferences": 2}})
+
+
+# --- vllm-ascend's strict additional_config ---------------------------------------------------
+
+STANDIN_DIR = Path(__file__).resolve().parent / "standin"
+
+
+@pytest.fixture
+def vllm_ascend(monkeypatch):
+    """The vllm-ascend stand-in (its strict ``init_ascend_config``), importable for this test,
+    and a module that imported ``init_ascend_config`` by name before the plugin registered,
+    as vllm-ascend's own modules do."""
+    monkeypatch.syspath_prepend(str(STANDIN_DIR))
+    module = importlib.import_module("vllm_ascend.ascend_config")
+    early = types.ModuleType("early_importer")
+    early.init_ascend_config = module.init_ascend_config
+    monkeypatch.setitem(sys.modules, early.__name__, early)
+    yield module, early
+    for name in [n for n in sys.modules if n == "vllm_ascend" or n.startswith("vllm_ascend.")]:
+        del sys.modules[name]
+
+
+def test_vllm_ascend_validates_everything_but_ftkits_key(vllm_ascend, monkeypatch):
+    module, early = vllm_ascend
+    settings = {"weight_nz_mode": 0, "fault_tolerance": {"enabled": True}}
+    config = VllmConfig(additional_config=dict(settings))
+    with pytest.raises(ValueError, match="fault_tolerance: Extra inputs are not permitted"):
+        module.init_ascend_config(config)  # what recent vllm-ascend does with ftkit's key
+
+    monkeypatch.setattr(worker_base.WorkerBase, "__init__", worker_base.WorkerBase.__init__)
+    plugin.register()
+    for init_ascend_config in (module.init_ascend_config, early.init_ascend_config):
+        assert init_ascend_config(config).weight_nz_mode == 0
+        assert config.additional_config == settings  # ftkit's key is put back
+    # vllm-ascend's own validation still rejects what it does not know.
+    with pytest.raises(ValueError, match="weight_nz_modes: Extra inputs"):
+        module.init_ascend_config(VllmConfig(additional_config={
+            "weight_nz_modes": 0, "fault_tolerance": {"enabled": True}}))
+    plugin.register()  # once more, as vLLM loads plugins in several places: wrapped once
+    assert not getattr(module.init_ascend_config.__wrapped__, "__ftkit_wrapped__", False)
