@@ -67,14 +67,14 @@ class EmulatedFaults:
     def hang(self, detail: str, timeout_s: float | None = None) -> NoReturn:
         """An operator that never returns by itself: it ends by the operator timeout
         (``timeout_s``, else ``op_timeout_s``) or when this rank is stopped."""
-        from ftkit.faults import OperatorTimeout
-
         bound = timeout_s if timeout_s is not None else self.op_timeout_s
         started = time.monotonic()
         while True:
             if self._stopped.is_set():
                 raise CommunicationStopped(f"rank {self.rank}: hung operator stopped: {detail}")
             if bound is not None and time.monotonic() - started > bound:
+                from ftkit.faults import OperatorTimeout  # the hang kind's error (ftkit.faults)
+
                 raise OperatorTimeout(f"rank {self.rank}: operator did not finish within the "
                                       f"operator timeout of {bound:g} s: {detail}")
             time.sleep(COLLECTIVE_STOP_SLICE_S)

@@ -35,10 +35,11 @@ What this costs and covers, honestly:
   the process down on a collective error or timeout before ftkit recovers (torch's own
   ``_abort_process_group`` documentation asks for it to be off); ``take_over`` warns.
 
-No GPU is attached to the machines this project is built on: the probing, the host-side wait
-and the abort/rebuild sequence are proven against gloo (the same torch APIs), the NCCL parts
-by reading torch's source (``torch/distributed/distributed_c10d.py``: ``ProcessGroup.abort``,
-``_abort_process_group``, ``_set_pg_timeout``, ``new_group``).
+No GPU is attached to the machines this project is built on: the probing, the stop of a host
+wait and the abort/rebuild sequence are proven against gloo (the same torch APIs; on gloo the
+wait uses ``Work.wait`` slices, see ``_finished``), the NCCL parts by reading torch's source
+(``torch/distributed/distributed_c10d.py``: ``ProcessGroup.abort``, ``_abort_process_group``,
+``_set_pg_timeout``, ``new_group``). See docs/cuda.md.
 """
 
 from __future__ import annotations

@@ -212,3 +212,30 @@ def test_a_round_on_another_thread_resumes_the_communicators_of_this_ranks_npu(
     reinit = [c for c in torch_npu._standin.DEVICE.calls if c["call"] == "reinit_process_group"]
     assert [(c["kwargs"]["rebuild_link"], c["thread"], c["current_device"]) for c in reinit] \
         == [(False, "ftkit-monitor", DEVICE)]
+
+
+def test_an_injected_device_reset_is_a_real_stop_device_and_its_own_fault(load_torch_npu):
+    torch_npu = load_torch_npu()
+    backend = AscendBackend(1, device_id=DEVICE)
+    restarted: list[str] = []
+    backend.force_stop("ftkit injected device_reset", on_restart=lambda: restarted.append("kv"))
+    assert [c["call"] for c in torch_npu._standin.DEVICE.calls] == ["stop_device"]
+    with pytest.raises(RuntimeError, match="^FORCE STOP") as raised:
+        torch_npu._standin.launch("matmul")
+    assert not backend.is_stop_error(raised.value)  # this rank's fault, not a peer's
+    assert restarted == []
+    backend.recover_device(("device_reset",))
+    assert restarted == ["kv"]  # what the reset destroyed, at the restart
+    torch_npu._standin.launch("matmul")
+
+
+def test_an_emulated_hang_ends_when_the_rank_is_stopped(load_torch_npu):
+    load_torch_npu()
+    backend = AscendBackend(0, device_id=DEVICE)
+    timer = threading.Timer(0.2, backend.stop_communication)
+    timer.start()
+    try:
+        with pytest.raises(CommunicationStopped, match="hung operator stopped"):
+            backend.hang("ftkit injected hang", timeout_s=30)
+    finally:
+        timer.cancel()
