@@ -99,8 +99,10 @@ def test_a_peer_fault_without_a_link_resumes_the_communicators(tmp_path):
 ])
 def test_a_device_that_fails_by_itself_is_restarted_with_what_the_signature_allows(
         tmp_path, signature, restart_kwargs):
+    # Rank 1's device fails 0.3 s into the step, while rank 0 waits in the collective.
     r0, r1 = run({"torch_npu": {"restart_signature": signature},
-                  "faults": [fault(1, 3, "device_error", at=0, text="FORCE STOP.")]}, tmp_path)
+                  "faults": [fault(1, 3, "device_error", at=0, delay_s=0.3,
+                                   text="FORCE STOP.")]}, tmp_path)
     recovered(r0, r1)
     # Rank 1's FORCE STOP came from its own device, not from a stop of ftkit: its fault.
     assert [(r["state"], r["kind"]) for r in r1["rounds"]] == [("failed", "device_reset")]
@@ -114,7 +116,7 @@ def test_a_rank_between_steps_recovers_on_its_monitor_thread_bound_to_its_npu(tm
     """Rank 1 waits for its next RPC while rank 0 fails: rank 1's monitor runs the round. If
     it resumed the communicators of the wrong NPU (the thread's default device 0), rank 1
     would keep its old channel while rank 0 starts a fresh one, and the re-run would fail."""
-    r0, r1 = run({"faults": [fault(0, 3, "oom", at=0)],
+    r0, r1 = run({"faults": [fault(0, 3, "oom", at=0, delay_s=0.3)],
                   "idle_gaps": [{"rank": 1, "step": 3, "seconds": 1.5}]}, tmp_path)
     recovered(r0, r1)
     assert [r["state"] for r in r1["rounds"]] == ["idle"]
