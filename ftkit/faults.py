@@ -50,17 +50,20 @@ KINDS: dict[FaultKind, KindInfo] = {
                  implemented=True, collective=True),
         KindInfo(FaultKind.LINK_FLAP, "a link break that repeats on `times` consecutive "
                  "attempts of the same step", implemented=True, collective=True),
-        KindInfo(FaultKind.DEVICE_RESET, "the device is force-stopped and restarted; its KV "
-                 "cache is lost", implemented=False),
-        KindInfo(FaultKind.UCE, "an uncorrectable HBM memory error in the KV cache, the weights "
-                 "or the activations", implemented=False),
-        KindInfo(FaultKind.HANG, "an operator never returns until an operator timeout or the "
-                 "monitor ends it", implemented=False),
+        KindInfo(FaultKind.DEVICE_RESET, "the device is force-stopped (FORCE STOP) and "
+                 "restarted; its KV cache is lost and recomputed for every running request",
+                 implemented=True),
+        KindInfo(FaultKind.UCE, "an uncorrectable memory error in the KV cache, the weights "
+                 "or the activations (params.region); only what was hit is repaired",
+                 implemented=True),
+        KindInfo(FaultKind.HANG, "an operator never returns until the operator timeout "
+                 "(params.op_timeout_s) or the monitor ends it", implemented=True),
         KindInfo(FaultKind.OOM, "an allocation fails inside the step (the out-of-memory "
                  "error class); what can be released is released and the step re-run",
                  implemented=True),
-        KindInfo(FaultKind.PROCESS_KILL, "a worker or the engine core is killed with SIGKILL; "
-                 "the engine restarts and resumes requests", implemented=False),
+        KindInfo(FaultKind.PROCESS_KILL, "a worker or the engine core (params.target) is "
+                 "killed with SIGKILL; the engine restarts and resumes every request",
+                 implemented=True),
     )
 }
 
@@ -82,6 +85,30 @@ class LinkError(SimulatedFault):
 
     def __init__(self, detail: str) -> None:
         super().__init__(f"SUSPECT REMOTE ERROR: {detail}")
+
+
+class ForceStopError(SimulatedFault):
+    """The device was force-stopped (``stop_device``, a reset): what torch_npu raises."""
+
+    kind = FaultKind.DEVICE_RESET
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"FORCE STOP. {detail}")
+
+
+class UceError(SimulatedFault):
+    """An uncorrectable memory error: the device reports its address separately."""
+
+    kind = FaultKind.UCE
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"UCE ERROR. {detail}")
+
+
+class OperatorTimeout(SimulatedFault):
+    """A hung operator ended by the operator timeout (``set_op_timeout_ms`` on Ascend)."""
+
+    kind = FaultKind.HANG
 
 
 class CommunicationStopped(RuntimeError):

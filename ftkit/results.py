@@ -47,6 +47,9 @@ class FaultRecord:
     recovery_s: float | None = None
     #: When the fault first fired, seconds after the workload was submitted.
     at_s: float | None = None
+    #: For a fault that killed a process: how long the engine took to restart (part of
+    #: ``recovery_s``, which runs from the kill until the requests were resumed).
+    restart_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +88,9 @@ class RunOutput:
     #: Pids of every process the run started; all were reaped when the run returned.
     pids: list[int] = field(default_factory=list)
     from_cache: bool = False
+    #: Engine restarts after a process died (``GenerateResult.restarts``): ``died_at_s``,
+    #: ``restart_s``, ``resumed_at_s``, ``resumed_requests``, ``error``.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 
 from ftkit.events import EventSink, ProgressEvent, ignore_events
+from ftkit.faults import FaultKind
 from ftkit.model.digest import directory_digest
 from ftkit.model.tiny import TINY, cache_root, recipe_digest, resolve_model
 from ftkit.recovery.config import DEFAULT_ROUND_TIMEOUT_S
@@ -55,8 +56,13 @@ def run_scenario(scenario: Any, *, file: str, on_event: EventSink = ignore_event
                 "max_reinference": scenario.recovery.max_reinference,
                 "round_timeout_s": min(DEFAULT_ROUND_TIMEOUT_S, scenario.expect.timeout_s)}
     faults = [f.model_dump(mode="json") for f in scenario.faults]
+    # A killed process cannot be recovered in place: the engine host restarts the engine and
+    # resumes the requests, once per kill. The engine core then needs a process of its own.
+    kills = sum(1 for f in scenario.faults if f.kind == FaultKind.PROCESS_KILL)
+    resume = kills if scenario.recovery.enabled else 0
     run = run_job(scenario, model_dir, recovery=recovery, faults=faults, on_event=on_event,
-                  timeout_s=max(1.0, deadline - time.monotonic()))
+                  timeout_s=max(1.0, deadline - time.monotonic()), max_restarts=resume,
+                  multiprocess=True if kills else None)
     result = verify(scenario, baseline, run, file=file, duration_s=time.monotonic() - started)
     result.baseline_from_cache = baseline.from_cache
     on_event(ProgressEvent(scenario.name, "done", f"{result.verdict}: {result.reason}"))
@@ -118,7 +124,8 @@ def _version(dist: str) -> str | None:
 # --- one engine run in an owned child process ----------------------------------------------------
 
 def run_job(scenario: Any, model_dir: str, *, recovery: dict[str, Any] | None,
-            faults: list[dict[str, Any]], on_event: EventSink, timeout_s: float) -> RunOutput:
+            faults: list[dict[str, Any]], on_event: EventSink, timeout_s: float,
+            max_restarts: int = 0, multiprocess: bool | None = None) -> RunOutput:
     """Run the scenario's workload once in an engine host; bounded by ``timeout_s``."""
     with tempfile.TemporaryDirectory(prefix="ftkit-run-") as tmp:
         work = Path(tmp)
@@ -139,6 +146,8 @@ def run_job(scenario: Any, model_dir: str, *, recovery: dict[str, Any] | None,
             "prompts": scenario.prompts(),
             "recovery": recovery,
             "faults": faults,
+            "max_restarts": max_restarts,
+            "multiprocess": multiprocess,
             "result_path": str(work / "result.json"),
         }
         (work / "job.json").write_text(json.dumps(job))
@@ -149,7 +158,8 @@ def run_job(scenario: Any, model_dir: str, *, recovery: dict[str, Any] | None,
         if timed_out:
             out.error = (out.error or "") + f"run stopped after its timeout of {timeout_s:.0f} s"
         out.faults, out.recoveries = collect_events(read_events(journal), scenario.faults,
-                                                    origin=out.started_at)
+                                                    origin=out.started_at,
+                                                    restarts=out.restarts)
         return out
 
 
@@ -252,6 +262,7 @@ class _Host:
         d = json.loads(path.read_text())
         out = _run_output_from_dict(d)
         out.pids = d.get("pids", [])
+        out.restarts = d.get("restarts", [])
         if out.error:
             out.error = out.error[:2000]
         return out
@@ -302,11 +313,13 @@ def _tail(path: Path, lines: int = 15) -> str:
 # --- events -> records --------------------------------------------------------------------------
 
 def collect_events(events: list[dict[str, Any]], planned: list[Any], *,
-                   origin: float | None = None) -> tuple[list[FaultRecord], list[RecoveryRecord]]:
+                   origin: float | None = None, restarts: list[dict[str, Any]] | None = None
+                   ) -> tuple[list[FaultRecord], list[RecoveryRecord]]:
     """Turn the ranks' journal events into one record per planned fault and per round.
 
     Times are made relative to ``origin`` (when the workload was submitted; the first event
-    when it is unknown)."""
+    when it is unknown). A fault that killed a process is recovered by the first engine
+    restart after it fired (``restarts``, times relative to ``origin``)."""
     t0 = origin if origin is not None else min((e["time"] for e in events), default=0.0)
     records: list[FaultRecord] = []
     for index, spec in enumerate(planned):
@@ -327,6 +340,8 @@ def collect_events(events: list[dict[str, Any]], planned: list[Any], *,
             if recovered:
                 rec.recovered = True
                 rec.recovery_s = max(e["recovery_s"] for e in recovered)
+            if spec.kind == FaultKind.PROCESS_KILL:
+                _resumed_by_restart(rec, restarts or [])
         records.append(rec)
     by_epoch: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
@@ -346,6 +361,18 @@ def collect_events(events: list[dict[str, Any]], planned: list[Any], *,
             reason=parts[0]["reason"],
             at_s=min(p["started"] for p in parts) - t0))
     return records, rounds
+
+
+def _resumed_by_restart(rec: FaultRecord, restarts: list[dict[str, Any]]) -> None:
+    """A kill is recovered by the first restart after it, if the requests were resumed."""
+    if rec.at_s is None:
+        return
+    after = [r for r in restarts if r.get("resumed_at_s", -1.0) >= rec.at_s]
+    if after:
+        first = after[0]
+        rec.recovered = True
+        rec.restart_s = first["restart_s"]
+        rec.recovery_s = first["resumed_at_s"] - rec.at_s
 
 
 __all__ = ["run_scenario", "run_job", "baseline_for", "baseline_key", "kill_tree",

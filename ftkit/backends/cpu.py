@@ -1,5 +1,5 @@
 """The CPU backend: gloo collectives that a peer's fault can really block and a stop can
-really unblock, and a link fault model faithful to what HCCL does on Ascend.
+really unblock, and a fault model faithful to what HCCL and the NPU do on Ascend.
 
 * A collective is issued asynchronously and waited for in short slices; between slices the
   stop flag is read. The fault-free cost is one asynchronous issue and one wait, the same
@@ -10,6 +10,14 @@ really unblock, and a link fault model faithful to what HCCL does on Ascend.
 * ``stop_communication()`` (monitor thread) makes the blocked wait raise
   ``CommunicationStopped`` within one slice; the abandoned work stays on the old group, which
   ``rebuild_communicators()`` aborts and replaces with a new gloo group on every rank.
+* ``force_stop()`` models a device that was force-stopped (a reset): its operations and
+  collectives raise ``ForceStopError`` ("FORCE STOP") until ``recover_device`` restarts it,
+  and the restart runs the reset's damage (the injector poisons the KV cache there).
+* ``hang()`` is an operator that never returns: it ends only by the operator timeout
+  (``set_op_timeout``, raising ``OperatorTimeout``) or by a stop from the monitor. A collective
+  that a peer never joins is bounded by the same timeout.
+* ``report_memory_fault()`` is what the device tells about an uncorrectable memory error:
+  ``memory_faults()`` returns it until the device has been recovered.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,7 +45,7 @@ from ftkit.backends.base import (
     CommGroup,
     MemoryFault,
 )
-from ftkit.faults import CommunicationStopped, LinkError
+from ftkit.faults import CommunicationStopped, ForceStopError, LinkError, OperatorTimeout
 from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger("ftkit")
@@ -108,6 +117,8 @@ class CpuBackend:
         self._stopped = threading.Event()
         self._link_down: str | None = None
         self._memory_faults: list[MemoryFault] = []
+        self._device_stopped: str | None = None
+        self._on_restart: list[Callable[[], None]] = []
         #: Bound of a simulated hung operator (``set_op_timeout``); ``None``: no bound.
         self.op_timeout_s: float | None = None
         self.collectives = AbortableCollectives(self)
@@ -152,7 +163,8 @@ class CpuBackend:
             key = f"ftkit/shm/{g.name}/{self._generation}"
             self._shm[id(device_group)] = shm.rendezvous(
                 self._store, key, g.ranks.index(self.rank), len(g.ranks),
-                stopped=self._stopped.is_set, timeout_s=self._collective_timeout_s)
+                stopped=self._stopped.is_set, timeout_s=self._collective_timeout_s,
+                bound_s=lambda: self.collective_bound_s)
 
     def shm_for(self, group, tensor: torch.Tensor) -> shm.ShmGroup | None:
         segment = self._shm.get(id(group))
@@ -168,6 +180,35 @@ class CpuBackend:
     def link_is_down(self) -> bool:
         return self._link_down is not None
 
+    def force_stop(self, detail: str, on_restart: Callable[[], None] | None = None) -> None:
+        """The device is force-stopped: until ``recover_device`` restarts it, its operations
+        (``check_device``) and collectives raise ``ForceStopError``. ``on_restart`` runs at the
+        restart: what the reset destroyed."""
+        self._device_stopped = detail
+        if on_restart is not None:
+            self._on_restart.append(on_restart)
+
+    def check_device(self) -> None:
+        """What a device operation meets on this rank: raises if the device is stopped."""
+        if self._device_stopped is not None:
+            raise ForceStopError(f"{self._device_stopped} (rank {self.rank})")
+
+    def report_memory_fault(self, fault: MemoryFault) -> None:
+        self._memory_faults.append(fault)
+
+    def hang(self, detail: str, timeout_s: float | None = None) -> NoReturn:
+        """An operator that never returns by itself: it ends by the operator timeout
+        (``timeout_s``, else the one ``set_op_timeout`` set) or by a stop."""
+        bound = timeout_s if timeout_s is not None else self.op_timeout_s
+        started = time.monotonic()
+        while True:
+            if self._stopped.is_set():
+                raise CommunicationStopped(f"rank {self.rank}: hung operator stopped: {detail}")
+            if bound is not None and time.monotonic() - started > bound:
+                raise OperatorTimeout(f"rank {self.rank}: operator did not finish within the "
+                                      f"operator timeout of {bound:g} s: {detail}")
+            time.sleep(COLLECTIVE_STOP_SLICE_S)
+
     def run_collective(self, op: str, issue, run_shm=None) -> None:
         """Run one collective unless the link is down or a stop was asked for.
 
@@ -175,6 +216,7 @@ class CpuBackend:
         the gloo path asynchronously, waited for in slices with a stop check between them.
         """
         self.collectives_issued += 1
+        self.check_device()
         if self._link_down is not None:
             raise LinkError(f"{self._link_down} (rank {self.rank}, {op})")
         if self._stopped.is_set():
@@ -183,7 +225,8 @@ class CpuBackend:
             run_shm()
             return
         work = issue()
-        deadline = time.monotonic() + self._collective_timeout_s
+        bound = self.collective_bound_s
+        deadline = time.monotonic() + bound
         while True:
             try:
                 work.wait(_SLICE)
@@ -198,8 +241,8 @@ class CpuBackend:
                 raise CommunicationStopped(f"rank {self.rank}: {op} stopped while blocked: "
                                            "a peer failed")
             if time.monotonic() > deadline and not work.is_completed():
-                raise TimeoutError(f"rank {self.rank}: {op} timed out after "
-                                   f"{self._collective_timeout_s:g} s")
+                raise OperatorTimeout(f"rank {self.rank}: {op} timed out after {bound:g} s: "
+                                      "a peer never joined")
 
     # --- recovery ---------------------------------------------------------------------------
 
@@ -225,8 +268,20 @@ class CpuBackend:
     def stopped(self) -> bool:
         return self._stopped.is_set()
 
+    @property
+    def collective_bound_s(self) -> float:
+        """How long a collective may wait for its peers: the operator timeout if set."""
+        return self.op_timeout_s if self.op_timeout_s is not None else self._collective_timeout_s
+
     def recover_device(self, kinds: tuple[str, ...]) -> None:
         # Link faults need no device work on CPU: the rebuild repairs them.
+        if self._device_stopped is not None:
+            # The restart: what the reset destroyed is gone now.
+            hooks, self._on_restart = self._on_restart, []
+            for hook in hooks:
+                hook()
+            self._device_stopped = None
+        self._memory_faults.clear()
         if "oom" in kinds:
             gc.collect()
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ftkit.faults import CommunicationStopped
+from ftkit.faults import CommunicationStopped, OperatorTimeout
 
 #: Bytes a rank may contribute to one collective; larger messages take the gloo path.
 SLOT_BYTES = 4 << 20
@@ -55,11 +55,14 @@ class ShmGroup:
     """One generation of one group's shared segment, as seen by one rank."""
 
     def __init__(self, path: Path, rank: int, world: int, *, create: bool,
-                 stopped: Callable[[], bool], timeout_s: float) -> None:
+                 stopped: Callable[[], bool], timeout_s: float,
+                 bound_s: Callable[[], float] | None = None) -> None:
         self.rank = rank
         self.world = world
         self._stopped = stopped
-        self._timeout_s = timeout_s
+        #: How long a collective waits for a peer (read at each collective: the operator
+        #: timeout may change); ``timeout_s`` when not given.
+        self._bound_s = bound_s or (lambda: timeout_s)
         self.size = world * _HEADER_LINE + world * 2 * SLOT_BYTES
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
@@ -109,10 +112,11 @@ class ShmGroup:
             if spins > _SPINS_BEFORE_YIELD:
                 os.sched_yield()
                 if deadline is None:
-                    deadline = time.monotonic() + self._timeout_s
+                    bound = self._bound_s()
+                    deadline = time.monotonic() + bound
                 elif spins % 1024 == 0 and time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank}: shared-memory collective timed out "
-                                       f"after {self._timeout_s:g} s")
+                    raise OperatorTimeout(f"rank {self.rank}: shared-memory collective timed "
+                                          f"out after {bound:g} s: a peer never joined")
 
     def _publish(self, tensor: torch.Tensor) -> int:
         seq = self.seq + 1
@@ -162,7 +166,7 @@ class ShmGroup:
 
 
 def rendezvous(store, key: str, rank: int, world: int, *, stopped: Callable[[], bool],
-               timeout_s: float) -> ShmGroup:
+               timeout_s: float, bound_s: Callable[[], float] | None = None) -> ShmGroup:
     """Create (first rank) or open (the others) a fresh segment; unlink it once all have it.
 
     ``store`` is the job's key-value store; ``key`` must be unique per group and generation.
@@ -172,7 +176,8 @@ def rendezvous(store, key: str, rank: int, world: int, *, stopped: Callable[[], 
     wait = timedelta(seconds=timeout_s)
     if rank == 0:
         path = _SHM_DIR / f"ftkit-{uuid.uuid4().hex}"
-        group = ShmGroup(path, rank, world, create=True, stopped=stopped, timeout_s=timeout_s)
+        group = ShmGroup(path, rank, world, create=True, stopped=stopped, timeout_s=timeout_s,
+                         bound_s=bound_s)
         store.set(f"{key}/path", str(path))
         try:
             store.wait([f"{key}/open/{r}" for r in range(1, world)], wait)
@@ -181,6 +186,7 @@ def rendezvous(store, key: str, rank: int, world: int, *, stopped: Callable[[], 
         return group
     store.wait([f"{key}/path"], wait)
     path = Path(store.get(f"{key}/path").decode())
-    group = ShmGroup(path, rank, world, create=False, stopped=stopped, timeout_s=timeout_s)
+    group = ShmGroup(path, rank, world, create=False, stopped=stopped, timeout_s=timeout_s,
+                     bound_s=bound_s)
     store.set(f"{key}/open/{rank}", "1")
     return group

@@ -43,12 +43,15 @@ class RecoveryConfig:
     within it turns the round into a clean failure.
     ``journal_dir``: where each rank appends its recovery and fault events (JSON lines);
     ``None`` keeps them in memory only.
+    ``op_timeout_s``: operators (and collectives) that run longer raise the hang error
+    instead of blocking: ``set_op_timeout_ms`` on Ascend; ``None`` keeps the backend's bound.
     """
 
     enabled: bool = False
     max_reinference: int = 3
     round_timeout_s: float = DEFAULT_ROUND_TIMEOUT_S
     journal_dir: str | None = None
+    op_timeout_s: float | None = None
 
     @classmethod
     def from_mapping(cls, raw: dict[str, Any] | None) -> RecoveryConfig:
@@ -71,6 +74,10 @@ class RecoveryConfig:
             raise FtkitError(f"{CONFIG_KEY}.max_reinference must be an integer >= 0")
         if not isinstance(cfg.round_timeout_s, (int, float)) or cfg.round_timeout_s <= 0:
             raise FtkitError(f"{CONFIG_KEY}.round_timeout_s must be a number > 0")
+        if cfg.op_timeout_s is not None and (isinstance(cfg.op_timeout_s, bool) or not
+                                             isinstance(cfg.op_timeout_s, (int, float))
+                                             or cfg.op_timeout_s <= 0):
+            raise FtkitError(f"{CONFIG_KEY}.op_timeout_s must be a number > 0")
         return cfg
 
     @classmethod

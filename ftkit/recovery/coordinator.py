@@ -66,6 +66,14 @@ class RankStatus:
     failures: int = 0
     kind: str | None = None
     error: str = ""
+    #: Device state this rank's fault destroyed, which every rank helps rebuild: KV block
+    #: ids (``kv_lost``), or the whole KV cache (``kv_lost_all``, after a device reset).
+    kv_lost: tuple[int, ...] = ()
+    kv_lost_all: bool = False
+    #: Parameters this rank reloads from the checkpoint itself (its own shard).
+    reload_params: tuple[str, ...] = ()
+    #: Set when this rank cannot repair what its fault hit: the round must raise.
+    unrecoverable: str = ""
 
     @property
     def reruns(self) -> bool:
@@ -87,6 +95,8 @@ class RankStatus:
         d = json.loads(text)
         d["state"] = RankState(d["state"])
         d["rpc_kind"] = RpcKind(d["rpc_kind"])
+        d["kv_lost"] = tuple(d.get("kv_lost", ()))
+        d["reload_params"] = tuple(d.get("reload_params", ()))
         return cls(**d)
 
 
@@ -107,6 +117,19 @@ class Decision:
     def recompute(self) -> bool:
         return self.action is Action.RECOMPUTE
 
+    @property
+    def kv_lost_all(self) -> bool:
+        """Some rank lost its whole KV cache: every rank recomputes every request's KV."""
+        return any(s.kv_lost_all for s in self.statuses)
+
+    @property
+    def kv_lost(self) -> tuple[int, ...]:
+        """The KV blocks some rank lost, which every rank recomputes (the union)."""
+        return tuple(sorted({b for s in self.statuses for b in s.kv_lost}))
+
+    def status_of(self, rank: int) -> RankStatus | None:
+        return next((s for s in self.statuses if s.rank == rank), None)
+
 
 def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
     """The round's decision. Pure: the same reports give the same decision on every rank."""
@@ -124,6 +147,9 @@ def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
     for s in failed:
         if s.kind is None:
             return verdict(Action.RAISE, f"rank {s.rank}: error is not a transient fault: {s.error}")
+        if s.unrecoverable:
+            return verdict(Action.RAISE, f"rank {s.rank}: {s.kind} cannot be repaired: "
+                                         f"{s.unrecoverable}")
     for s in statuses:
         if s.reruns and s.failures > max_reinference:
             return verdict(

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ftkit.errors import ReinferenceExhausted, RecoveryError
-from ftkit.faults import classify, is_peer_stop
+from ftkit.faults import FaultKind, classify, is_peer_stop
 from ftkit.recovery.aware import FaultAware
+from ftkit.recovery.handlers import Repair
 from ftkit.recovery.coordinator import RankState, RankStatus, RpcKind
 
 log = logging.getLogger("ftkit")
@@ -37,6 +38,7 @@ class StepState(Protocol):
     def begin_sample(self) -> Any: ...
     def rollback_sample(self, record: Any) -> None: ...
     def reset_batch(self) -> None: ...
+    def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None: ...
 
 
 class StepHook(Protocol):
@@ -51,7 +53,8 @@ class FaultTolerance:
     def __init__(self, *, rank: int, aware: FaultAware, state: StepState,
                  gate_timeout_s: float, hooks: list[StepHook] | None = None,
                  recovery_enabled: bool = True,
-                 is_stop_error: Callable[[BaseException], bool] = is_peer_stop) -> None:
+                 is_stop_error: Callable[[BaseException], bool] = is_peer_stop,
+                 assess: Callable[[FaultKind | None], Repair] | None = None) -> None:
         self.rank = rank
         #: With recovery off the hooks (fault injection) still run and every error surfaces
         #: as it would without ftkit: the behaviour a scenario compares against.
@@ -62,6 +65,8 @@ class FaultTolerance:
         self.hooks: list[StepHook] = list(hooks or [])
         #: Tells a stop of this rank (a peer failed) from a fault of its own; the backend's.
         self.is_stop_error = is_stop_error
+        #: What this rank's own fault destroyed (``ftkit.recovery.handlers.assess``).
+        self.assess = assess or (lambda kind: Repair())
         self.rpc = 0  # RPCs received (execute and sample), the same count on every rank
         self.step = 0  # execute_model calls received
         #: Recovery rounds seen when the persistent batch was last laid out afresh.
@@ -93,6 +98,10 @@ class FaultTolerance:
             try:
                 for hook in self.hooks:
                     hook.on_attempt(rpc_kind, self.step, failures, arg)
+                if rpc_kind is RpcKind.EXECUTE:
+                    # Device state a fault destroyed (lost KV) is rebuilt first, by forward
+                    # passes of its own: inside the attempt, so that a fault there is one too.
+                    self.state.before_attempt(arg, call)
                 out = call(arg)
             except Exception as exc:  # noqa: BLE001 - every failure goes through a round
                 if not self.recovery_enabled:
@@ -124,7 +133,8 @@ class FaultTolerance:
 
     def _status(self, rpc_kind: RpcKind, failures: int, exc: BaseException) -> RankStatus:
         stopped = self.is_stop_error(exc)
-        kind = classify(exc)
+        kind = None if stopped else classify(exc)
+        repair = self.assess(kind) if kind is not None else Repair()
         return RankStatus(
             rank=self.rank,
             state=RankState.STOPPED if stopped else RankState.FAILED,
@@ -132,6 +142,10 @@ class FaultTolerance:
             rpc_kind=rpc_kind,
             step=self.step,
             failures=failures,
-            kind=None if stopped or kind is None else kind.value,
+            kind=None if kind is None else kind.value,
             error=f"{type(exc).__name__}: {exc}"[:500],
+            kv_lost=repair.kv_lost,
+            kv_lost_all=repair.kv_lost_all,
+            reload_params=repair.reload_params,
+            unrecoverable=repair.unrecoverable,
         )

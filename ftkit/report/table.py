@@ -82,6 +82,8 @@ def describe_fault(fault: FaultRecord) -> str:
     when = f", {fault.at_s:.3f} s into the workload" if fault.at_s is not None else ""
     if fault.recovered:
         took = f" in {fault.recovery_s:.3f} s" if fault.recovery_s is not None else ""
+        if fault.restart_s is not None:
+            took += f" (engine restart {fault.restart_s:.1f} s)"
         outcome = f"recovered{took}"
     else:
         outcome = "not recovered"

@@ -5,18 +5,23 @@ the field to change. It only reads the scenario; ``Scenario`` runs it when it is
 a ``Scenario`` object never breaks these rules.
 
 The rules, in order: exactly one prompt source, ``min_words <= max_words``; for each fault:
-its kind is implemented, a link fault has a peer (``tensor_parallel_size >= 2``), its rank
-exists, its request exists, its token is computed (``< max_tokens``), a flap repeats
-(``times >= 2``), and an expected recovery is possible (recovery enabled and
+its kind is implemented, its ``params`` fit its kind (``ftkit.scenario.params``), a link fault
+has a peer (``tensor_parallel_size >= 2``), its rank exists, its request exists, its token is
+computed (``< max_tokens``), a flap repeats (``times >= 2``), a process is killed once
+(``times == 1``), a KV UCE hits a request that holds KV, an activation UCE does not fire in
+sampling; and an expected recovery is possible (recovery enabled and
 ``times <= max_reinference``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from ftkit.faults import IMPLEMENTED_KINDS, KINDS, FaultKind
 from ftkit.scenario.errors import Loc
+from ftkit.scenario.params import PARAMS, parse_params
 
 if TYPE_CHECKING:
     from ftkit.scenario.model import FaultSpec, Scenario, WorkloadSpec
@@ -73,7 +78,39 @@ def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
                       f"{max_tokens}, tokens are numbered from 0"))
     if fault.kind == FaultKind.LINK_FLAP and fault.times < 2:
         found.append((at + ("times",), "a flap repeats: times must be at least 2"))
+    if fault.kind == FaultKind.PROCESS_KILL and fault.times != 1:
+        found.append((at + ("times",), "a killed process fails no further attempt: times "
+                                       "must be 1 (add another fault to kill it again)"))
+    params, params_problems = _params(at, fault)
+    found += params_problems
+    if (fault.kind == FaultKind.UCE and params is not None and params.region == "kv"
+            and fault.phase == "before" and fault.at.token == 0):
+        found.append((at + ("at", "token"), "before its prefill a request holds no KV block "
+                                             "to hit: use token >= 1 or phase forward"))
+    if (fault.kind == FaultKind.UCE and params is not None and params.region == "activation"
+            and fault.phase == "sample"):
+        found.append((at + ("phase",), "an activation error during sampling would hit the "
+                                       "step's logits, which only the forward recomputes: use "
+                                       "phase before or forward"))
     return found
+
+
+def _params(at: Loc, fault: FaultSpec) -> tuple[Any, list[Problem]]:
+    """The fault's params for its kind, or the problems with them."""
+    try:
+        return parse_params(fault.kind, fault.params), []
+    except ValidationError as exc:
+        takes = sorted(PARAMS[fault.kind].model_fields)
+        problems: list[Problem] = []
+        for detail in exc.errors():
+            loc = at + ("params",) + tuple(detail["loc"])
+            if detail["type"] == "extra_forbidden":
+                known = ", ".join(takes) if takes else "none"
+                problems.append((loc, f"unknown param for {fault.kind} (it takes: {known})"))
+            else:
+                message = detail["msg"][:1].lower() + detail["msg"][1:]
+                problems.append((loc, f"{message} (got {detail.get('input')!r})"))
+        return None, problems
 
 
 def _expectation_problems(scenario: Scenario) -> list[Problem]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -37,6 +38,8 @@ ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
 REAP_GRACE_S = 10.0
+#: How often a running workload looks at the engine's processes (to see one die).
+DEATH_WATCH_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,153 @@ class GenerateResult:
     generate_s: float
     #: ``time.time()`` when the workload was submitted (token times count from here).
     started_at: float | None = None
+    #: One entry per engine restart: ``error``, ``died_at_s``, ``restart_s``,
+    #: ``resumed_at_s`` (seconds from submission) and ``resumed_requests``.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Workload:
+    """The requests of one ``generate`` call: what was submitted, what each produced."""
+
+    def __init__(self, run_id: str, prompts: list[str], sampling: SamplingSpec,
+                 submit_after_steps: list[int] | None) -> None:
+        self.run_id = run_id
+        self.prompts = prompts
+        self.sampling = sampling
+        self.outputs = [RequestOutput(i, []) for i in range(len(prompts))]
+        self.arrivals = list(submit_after_steps or [0] * len(prompts))
+        if len(self.arrivals) != len(prompts):
+            raise ValueError("submit_after_steps needs one entry per prompt")
+        self.waiting = sorted(range(len(prompts)), key=lambda i: self.arrivals[i])
+        self.prompt_token_ids: dict[int, list[int]] = {}
+        self.finished: set[int] = set()
+        self.steps = 0
+        self.done = 0
+        self.total = len(prompts) * sampling.max_tokens
+
+    def params(self, index: int, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        s = self.sampling
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, ignore_eos=True,
+            # One stream per request: the workload seed offset by the request index.
+            seed=None if s.seed is None else s.seed + index)
+
+    def submit_due(self, engine: Any) -> None:
+        while self.waiting and (self.arrivals[self.waiting[0]] <= self.steps
+                                or not engine.has_unfinished_requests()):
+            i = self.waiting.pop(0)
+            engine.add_request(request_id(self.run_id, i), self.prompts[i],
+                               self.params(i, self.sampling.max_tokens))
+
+    def take(self, out: Any, now: float) -> None:
+        ref = parse_request_id(out.request_id)
+        if ref is None or ref.run_id != self.run_id:
+            return
+        req = self.outputs[ref.index]
+        if ref.offset == 0 and out.prompt_token_ids is not None:
+            self.prompt_token_ids.setdefault(ref.index, list(out.prompt_token_ids))
+        completion = out.outputs[0]
+        # A resumed request counts its tokens from where it resumed.
+        new = list(completion.token_ids[len(req.token_ids) - ref.offset:])
+        req.token_ids.extend(new)
+        req.token_times.extend([now] * len(new))
+        self.done += len(new)
+        if out.finished:
+            req.finish_reason = completion.finish_reason
+            self.finished.add(ref.index)
+
+    def resume(self, engine: Any) -> list[int]:
+        """Submit every started, unfinished request again from where it stopped."""
+        from vllm.inputs import TokensPrompt
+
+        resumed = []
+        waiting = set(self.waiting)
+        for req in self.outputs:
+            i = req.index
+            if i in self.finished or i in waiting:
+                continue
+            produced = len(req.token_ids)
+            left = self.sampling.max_tokens - produced
+            if left <= 0:
+                self.finished.add(i)
+                continue
+            prompt_ids = self.prompt_token_ids.get(i)
+            if produced == 0 or prompt_ids is None:
+                engine.add_request(request_id(self.run_id, i), self.prompts[i],
+                                   self.params(i, self.sampling.max_tokens))
+            else:
+                prompt = TokensPrompt(prompt_token_ids=prompt_ids + req.token_ids)
+                engine.add_request(request_id(self.run_id, i, offset=produced), prompt,
+                                   self.params(i, left))
+            resumed.append(i)
+        return resumed
+
+
+class _DeathWatch:
+    """While a workload runs: notices the death of any process of the engine, kills the
+    others (only these, by pid) and hands the death to the front end, so that ``step()``
+    raises at once.
+
+    Without it, vLLM shuts its executor down gracefully after a worker dies and waits out its
+    grace periods (about 9 s) for a surviving rank blocked in a collective with the dead one;
+    and a front end whose engine core died abruptly waits for output forever.
+    """
+
+    def __init__(self, procs: list[psutil.Process],
+                 on_death: Callable[[int], None] | None = None) -> None:
+        self._procs = list(procs)
+        self._on_death = on_death
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: (pid, monotonic time) of the first death seen.
+        self.died: tuple[int, float] | None = None
+
+    def __enter__(self) -> _DeathWatch:
+        if self._procs:
+            self._thread = threading.Thread(target=self._watch, name="ftkit-death-watch",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=DEATH_WATCH_POLL_S * 20)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(DEATH_WATCH_POLL_S):
+            dead = next((p for p in self._procs if not _running(p)), None)
+            if dead is None:
+                continue
+            self.died = (dead.pid, time.monotonic())
+            log.warning("ftkit: engine process %d died; stopping the rest of the engine",
+                        dead.pid)
+            for p in self._procs:
+                if p is not dead and _running(p):
+                    try:
+                        p.kill()
+                    except psutil.NoSuchProcess:
+                        pass
+            if self._on_death is not None:
+                self._on_death(dead.pid)
+            return
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _describe_engine_error(exc: BaseException) -> str:
+    error = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) not in error:
+        error += f" (caused by {type(cause).__name__}: {cause})"
+    return error
 
 
 @contextmanager
@@ -116,9 +266,13 @@ class EngineSession:
         self.recovery = recovery
         self.llm: Any = None
         self.start_s = 0.0
+        #: Every process this session's engines started (all of them, across restarts).
         self.pids: list[int] = []
+        self._procs: list[psutil.Process] = []
         self.dead: str | None = None
         self._runs = 0
+        #: The fault plan of each run id, as given (to plan it again after a restart).
+        self._plans: dict[str, list[dict[str, Any]]] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -153,6 +307,8 @@ class EngineSession:
         for p in me.children(recursive=True):
             if p.pid not in before and p.pid not in self.pids and not is_process_helper(p):
                 self.pids.append(p.pid)
+                # psutil remembers the start time: a reused pid is never signalled.
+                self._procs.append(p)
 
     def close(self) -> None:
         """Shut the engine down and reap every process it started (killed if need be)."""
@@ -166,7 +322,8 @@ class EngineSession:
             # Run vLLM's finalizers now, not at some later collection: they tear down the
             # distributed state of this process, which a later in-process engine owns.
             gc.collect()
-        reap(self.pids, REAP_GRACE_S)
+        reap_processes(self._procs, REAP_GRACE_S)
+        self._procs = []
 
     def __enter__(self) -> EngineSession:
         return self.start() if self.llm is None else self
@@ -179,6 +336,11 @@ class EngineSession:
     def set_fault_plan(self, run_id: str | None, faults: list[dict[str, Any]]) -> None:
         if self.recovery is None:
             raise EngineError("this engine was started without ftkit; it cannot inject faults")
+        if run_id is not None:
+            self._plans[run_id] = [dict(f) for f in faults]
+        self._send_plan(run_id, faults)
+
+    def _send_plan(self, run_id: str | None, faults: list[dict[str, Any]]) -> None:
         self.llm.collective_rpc("ftkit_set_fault_plan", args=(run_id, faults))
 
     def new_run_id(self) -> str:
@@ -188,79 +350,102 @@ class EngineSession:
     def generate(self, prompts: list[str], sampling: SamplingSpec, *, run_id: str | None = None,
                  deadline: float | None = None,
                  on_tokens: Callable[[int, int], None] | None = None,
-                 submit_after_steps: list[int] | None = None) -> GenerateResult:
+                 submit_after_steps: list[int] | None = None,
+                 max_restarts: int = 0) -> GenerateResult:
         """Run the prompts to completion; never raises for an engine error (it is returned).
 
         ``deadline`` (``time.monotonic()``) is checked between engine steps; ``RunTimeout`` is
         raised when it passes (the caller then closes the engine). ``submit_after_steps``
         staggers arrivals: request *i* is submitted once the engine has run that many steps of
         this workload (default: every request at once, before the first step).
-        """
-        from vllm import SamplingParams
 
+        ``max_restarts``: when the engine dies (a process was killed), start a new one and
+        resume every unfinished request from the tokens it had produced, up to this many
+        times (``ftkit.vllm.resume``); the fault plan of ``run_id`` is planned again with the
+        attempts that already fired. Each restart is in ``GenerateResult.restarts``.
+        """
         if self.dead is not None:
             return GenerateResult([RequestOutput(i, []) for i in range(len(prompts))],
                                   f"engine already dead: {self.dead}", 0.0)
         run_id = run_id or self.new_run_id()
-        engine = self.llm.llm_engine
-        outputs = [RequestOutput(i, []) for i in range(len(prompts))]
-        total = len(prompts) * sampling.max_tokens
+        work = _Workload(run_id, prompts, sampling, submit_after_steps)
         started_at = time.time()
         started = time.monotonic()
-        arrivals = list(submit_after_steps or [0] * len(prompts))
-        if len(arrivals) != len(prompts):
-            raise ValueError("submit_after_steps needs one entry per prompt")
-        waiting = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-        steps = 0
-
-        def submit_due() -> None:
-            while waiting and (arrivals[waiting[0]] <= steps
-                               or not engine.has_unfinished_requests()):
-                i = waiting.pop(0)
-                params = SamplingParams(
-                    max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                    top_p=sampling.top_p, ignore_eos=True,
-                    # One stream per request: the workload seed offset by the request index.
-                    seed=None if sampling.seed is None else sampling.seed + i)
-                engine.add_request(request_id(run_id, i), prompts[i], params)
-
+        restarts: list[dict[str, Any]] = []
         error = None
-        try:
-            done = 0
-            submit_due()
-            while engine.has_unfinished_requests():
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RunTimeout("the workload did not finish before its deadline")
-                step_outputs = engine.step()
-                # One time per engine step: the tokens of one step share it.
-                now = time.monotonic() - started
-                for out in step_outputs:
-                    parsed = parse_request_id(out.request_id)
-                    if parsed is None or parsed[0] != run_id:
-                        continue
-                    req = outputs[parsed[1]]
-                    completion = out.outputs[0]
-                    new = list(completion.token_ids[len(req.token_ids):])
-                    req.token_ids.extend(new)
-                    req.token_times.extend([now] * len(new))
-                    done += len(new)
-                    if out.finished:
-                        req.finish_reason = completion.finish_reason
-                steps += 1
-                submit_due()
-                if on_tokens is not None:
-                    on_tokens(done, total)
-        except RunTimeout:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the engine's error is the run's result
-            error = f"{type(exc).__name__}: {exc}"
-            cause = exc.__cause__ or exc.__context__
-            if cause is not None and str(cause) not in error:
-                error += f" (caused by {type(cause).__name__}: {cause})"
-            error += self._recovery_verdict(started)
-            self.dead = error
-        return GenerateResult(outputs, error, time.monotonic() - started, started_at)
+        while True:
+            try:
+                self._drive(work, started, deadline, on_tokens, watch=self.multiprocess)
+                break
+            except RunTimeout:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the engine's error is the run's result
+                error = _describe_engine_error(exc) + self._recovery_verdict(started)
+                if len(restarts) >= max_restarts or self.recovery is None:
+                    self.dead = error
+                    break
+                restarts.append(self._restart(work, run_id, error, started))
+                error = None
+        return GenerateResult(work.outputs, error, time.monotonic() - started, started_at,
+                              restarts=restarts)
 
+    def _drive(self, work: _Workload, started: float, deadline: float | None,
+               on_tokens: Callable[[int, int], None] | None, watch: bool) -> None:
+        engine = self.llm.llm_engine
+        with _DeathWatch(self._procs if watch else [], on_death=self._unblock_front_end):
+            work.submit_due(engine)
+            self._steps(engine, work, started, deadline, on_tokens)
+
+    def _steps(self, engine: Any, work: _Workload, started: float, deadline: float | None,
+               on_tokens: Callable[[int, int], None] | None) -> None:
+        while engine.has_unfinished_requests():
+            if deadline is not None and time.monotonic() > deadline:
+                raise RunTimeout("the workload did not finish before its deadline")
+            step_outputs = engine.step()
+            # One time per engine step: the tokens of one step share it.
+            now = time.monotonic() - started
+            for out in step_outputs:
+                work.take(out, now)
+            work.steps += 1
+            work.submit_due(engine)
+            if on_tokens is not None:
+                on_tokens(work.done, work.total)
+
+    def _unblock_front_end(self, pid: int) -> None:
+        """vLLM's front end notices the engine core's death but leaves a caller blocked in
+        ``step()`` waiting for output forever: hand that caller the death as its output."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        queue = getattr(getattr(self.llm.llm_engine, "engine_core", None), "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError(f"engine process {pid} died"))
+
+    def _restart(self, work: _Workload, run_id: str, error: str,
+                 started: float) -> dict[str, Any]:
+        """The engine died: reap it, start a new one, plan the faults again, resume."""
+        died = time.monotonic()
+        log.warning("ftkit: engine died (%s); restarting it and resuming the requests", error)
+        self.close()
+        self.start()
+        restart_s = time.monotonic() - died
+        plan = self._plans.get(run_id)
+        if plan is not None:
+            self._send_plan(run_id, self._replan(run_id, plan))
+        resumed = work.resume(self.llm.llm_engine)
+        return {"error": error, "died_at_s": died - started, "restart_s": restart_s,
+                "resumed_at_s": time.monotonic() - started, "resumed_requests": resumed}
+
+    def _replan(self, run_id: str, plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The plan of ``run_id`` with each fault's attempts that already fired."""
+        from ftkit.recovery.events import read_events
+
+        journal = (self.recovery or {}).get("journal_dir")
+        fired: dict[int, int] = {}
+        if journal:
+            for e in read_events(journal):
+                if e["event"] == "fault_fired" and e.get("run_id") == run_id:
+                    fired[e["index"]] = max(fired.get(e["index"], 0), e["attempt"])
+        return [{**fault, "index": i, "fired": fired.get(i, 0)} for i, fault in enumerate(plan)]
 
     def _recovery_verdict(self, since_monotonic: float) -> str:
         """The reason the ranks gave for surfacing a fault, from their journal: a worker's
@@ -296,6 +481,12 @@ def reap(pids: list[int], grace_s: float) -> list[int]:
             procs.append(psutil.Process(pid))
         except psutil.NoSuchProcess:
             continue
+    return reap_processes(procs, grace_s)
+
+
+def reap_processes(procs: list[psutil.Process], grace_s: float) -> list[int]:
+    """``reap`` for processes already known (psutil checks they are still the same)."""
+    procs = [p for p in procs if _alive(p)]
     for p in procs:
         try:
             p.terminate()
@@ -309,3 +500,11 @@ def reap(pids: list[int], grace_s: float) -> list[int]:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
     return [p.pid for p in alive]
+
+
+def _alive(proc: psutil.Process) -> bool:
+    # A zombie counts: waiting for it below reaps it.
+    try:
+        return proc.is_running()
+    except psutil.NoSuchProcess:
+        return False

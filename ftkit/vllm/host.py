@@ -32,7 +32,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"error": None, "engine_start_s": 0.0, "generate_s": 0.0,
                               "requests": [], "pids": []}
     _say("engine_start", message=f"tensor parallel {spec.tensor_parallel_size}")
-    session = EngineSession(spec, recovery=job.get("recovery"))
+    session = EngineSession(spec, recovery=job.get("recovery"),
+                            multiprocess=job.get("multiprocess"))
     try:
         session.start()
         result["engine_start_s"] = session.start_s
@@ -49,8 +50,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 last[0] = now
                 _say("tokens", tokens_done=done, tokens_total=total)
 
-        out = session.generate(job["prompts"], sampling, run_id=run_id, on_tokens=on_tokens)
+        out = session.generate(job["prompts"], sampling, run_id=run_id, on_tokens=on_tokens,
+                               max_restarts=int(job.get("max_restarts", 0)))
         result["error"] = out.error
+        result["restarts"] = out.restarts
         result["generate_s"] = out.generate_s
         result["started_at"] = out.started_at
         result["requests"] = [asdict(r) for r in out.requests]

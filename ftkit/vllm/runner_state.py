@@ -32,12 +32,15 @@ parallelism; ``check_supported`` says so at start rather than corrupting a run.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ftkit.errors import FtkitError
+from ftkit.vllm.kv_recompute import KvRecompute, RecomputeReport, empty_batch
+from ftkit.vllm.resume import fast_forward
 
 
 @dataclass
@@ -103,10 +106,14 @@ class V1RunnerState:
     ``get_rng_state`` / ``set_rng_state``); the host generator when not given.
     """
 
-    def __init__(self, runner: Any, rng: Any = None) -> None:
+    def __init__(self, runner: Any, rng: Any = None,
+                 on_kv_recomputed: Callable[[RecomputeReport], None] | None = None) -> None:
         check_supported(runner)
         self.runner = runner
         self.rng = rng or _HostRng()
+        self.kv = KvRecompute(runner)
+        self.on_kv_recomputed = on_kv_recomputed
+        self._fast_forwarded: dict[str, Any] = {}
 
     # --- execute_model ----------------------------------------------------------------------
 
@@ -153,16 +160,28 @@ class V1RunnerState:
         output, which is the same on every rank. Cost: one re-add of each running request,
         once per recovery.
         """
-        batch = self.runner.input_batch
-        for req_id in list(batch.req_id_to_index):
-            batch.remove_request(req_id)
-        batch.condense()
+        empty_batch(self.runner.input_batch)
+
+    # --- device state a fault destroyed -----------------------------------------------------
+
+    def mark_kv_lost(self, blocks: Iterable[int] = (), *, all_blocks: bool = False) -> None:
+        """Record KV blocks whose contents are gone (every block after a device reset)."""
+        self.kv.mark_lost(blocks, all_blocks=all_blocks)
+
+    def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None:
+        """Before an attempt of ``execute_model``: recompute the lost KV the step reads."""
+        report = self.kv.run(scheduler_output, call)
+        if report is not None and self.on_kv_recomputed is not None:
+            self.on_kv_recomputed(report)
 
     # --- sample_tokens ----------------------------------------------------------------------
 
     def begin_sample(self) -> SampleRecord:
         runner = self.runner
         batch = runner.input_batch
+        if batch.generators:
+            # A request resumed after an engine death continues its seeded stream.
+            fast_forward(runner, self._fast_forwarded)
         record = SampleRecord(runner.execute_model_state)
         for index, gen in batch.generators.items():
             record.generator_states[index] = gen.get_state()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ftkit.backends.platforms import backend_class
@@ -11,7 +12,10 @@ from ftkit.recovery.aware import FaultAware
 from ftkit.recovery.config import RecoveryConfig
 from ftkit.recovery.coordinator import Coordinator, Decision, MemoryChannel, RankStatus, StoreChannel
 from ftkit.recovery.events import EventLog
+from ftkit.recovery.handlers import assess
 from ftkit.recovery.tolerance import FaultTolerance
+from ftkit.vllm.kv_recompute import RecomputeReport
+from ftkit.vllm.memory import RunnerMemory
 from ftkit.vllm.runner_state import V1RunnerState
 
 log = logging.getLogger("ftkit")
@@ -67,7 +71,10 @@ class FtkitWorker:
         world = dist.get_world_size() if dist.is_initialized() else 1
         store = dist.distributed_c10d._get_default_store() if world > 1 else None
         self.backend = make_backend(self.rank, store.clone() if store is not None else None)
-        state = V1RunnerState(runner, rng=self.backend)
+        if self.config.op_timeout_s is not None:
+            self.backend.set_op_timeout(self.config.op_timeout_s)
+        memory = RunnerMemory(runner, getattr(self.vllm_config.model_config, "model", None))
+        state = V1RunnerState(runner, rng=self.backend, on_kv_recomputed=self._record_kv)
         if world > 1:
             from ftkit.vllm.comms import vllm_groups
 
@@ -75,9 +82,17 @@ class FtkitWorker:
         timeout = self.config.round_timeout_s
 
         def rebuild(decision: Decision) -> None:
+            """Every rank, once the round decided to re-run: device, communicators, then
+            what the faults destroyed."""
             self.backend.recover_device(decision.kinds)
             if world > 1:
                 self.backend.rebuild_communicators(timeout, decision.kinds)
+            own = decision.status_of(self.rank)
+            if own is not None and own.reload_params:
+                reloaded = memory.reload_params(set(own.reload_params))
+                self.events.emit("params_reloaded", params=reloaded)
+            if decision.kv_lost_all or decision.kv_lost:
+                state.mark_kv_lost(decision.kv_lost, all_blocks=decision.kv_lost_all)
 
         coordinator = Coordinator(self.rank, world, max_reinference=self.config.max_reinference,
                                   round_timeout_s=timeout, rebuild=rebuild)
@@ -90,8 +105,10 @@ class FtkitWorker:
                                 stop_communication=self.backend.stop_communication,
                                 on_round=self._record_round)
         self.aware.start()
-        self.injector = Injector(self.rank, self.events, token_indices=state.output_token_indices,
-                                 break_link=getattr(self.backend, "break_link", None))
+        self.injector = Injector(
+            self.rank, self.events, token_indices=state.output_token_indices,
+            device=self.backend if hasattr(self.backend, "force_stop") else None,
+            memory=memory, kill_target=self._kill_target if _own_engine_process() else None)
         runner.sampler.register_forward_hook(self.injector.sample_hook)
         runner.get_model().register_forward_pre_hook(self.injector.forward_hook)
         log.info("ftkit: recovery %s on rank %d of %d (max_reinference=%d)",
@@ -100,7 +117,21 @@ class FtkitWorker:
         return FaultTolerance(rank=self.rank, aware=self.aware, state=state,
                               gate_timeout_s=3 * timeout, hooks=[self.injector],
                               recovery_enabled=self.config.enabled,
-                              is_stop_error=self.backend.is_stop_error)
+                              is_stop_error=self.backend.is_stop_error,
+                              assess=lambda kind: assess(kind, self.backend, memory))
+
+    def _kill_target(self, target: str) -> int:
+        """The pid a ``process_kill`` fault kills: this worker, or the engine core (the
+        parent of the workers of a multi-process executor; this very process otherwise)."""
+        world = int(self.vllm_config.parallel_config.world_size)
+        if target == "rank" or world == 1:
+            return os.getpid()
+        return os.getppid()
+
+    def _record_kv(self, report: RecomputeReport) -> None:
+        self.events.emit("kv_recomputed", requests=report.requests, tokens=report.tokens,
+                         passes=report.passes, duration_s=report.seconds,
+                         step=self.tolerance.step if self.tolerance else 0)
 
     def _record_round(self, epoch: int, status: RankStatus, decision: Decision,
                       duration_s: float, wall: float) -> None:
@@ -108,4 +139,14 @@ class FtkitWorker:
                          rpc=status.rpc, rpc_kind=status.rpc_kind.value,
                          failures=status.failures, fault=status.kind, error=status.error,
                          decision=decision.action.value, reason=decision.reason,
-                         kinds=list(decision.kinds), duration_s=duration_s, started=wall)
+                         kinds=list(decision.kinds), duration_s=duration_s, started=wall,
+                         kv_lost_all=status.kv_lost_all, kv_lost_blocks=len(status.kv_lost),
+                         reload_params=list(status.reload_params))
+
+
+def _own_engine_process() -> bool:
+    """True when the engine core runs in a process of its own (vLLM's multiprocessing
+    front end): only then can a worker or the engine core be killed without the caller."""
+    from vllm import envs
+
+    return bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)

@@ -227,6 +227,9 @@ class RecordingState:
     def reset_batch(self) -> None:
         self.resets.append(self.step)
 
+    def before_attempt(self, scheduler_output: Any, call: Any) -> None:
+        pass
+
 
 class DyingChannel:
     """The main thread's side channel of a rank that dies in a round before reporting."""

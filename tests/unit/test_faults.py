@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftkit.faults import (IMPLEMENTED_KINDS, KINDS, CommunicationStopped, FaultKind, LinkError,
-                          classify, is_peer_stop)
+from ftkit.faults import (IMPLEMENTED_KINDS, KINDS, CommunicationStopped, FaultKind,
+                          ForceStopError, LinkError, OperatorTimeout, UceError, classify,
+                          is_peer_stop)
 
 
 @pytest.mark.parametrize("text, kind", [
@@ -32,6 +33,16 @@ def test_type_decides_before_text():
     assert classify(MemoryError()) is FaultKind.OOM
 
 
+def test_the_cpu_fault_model_raises_what_torch_npu_raises():
+    # The simulated errors carry torch_npu's texts: classified alike by type and by text.
+    for exc, kind in ((ForceStopError("device 1"), FaultKind.DEVICE_RESET),
+                      (UceError("kv at 0x10"), FaultKind.UCE),
+                      (LinkError("down"), FaultKind.LINK_BREAK)):
+        assert classify(exc) is kind
+        assert classify(RuntimeError(str(exc))) is kind
+    assert classify(OperatorTimeout("operator did not finish")) is FaultKind.HANG
+
+
 def test_texts_are_matched_case_sensitively_and_only_on_runtime_errors():
     assert classify(RuntimeError("force stop")) is None
     assert classify(ValueError("FORCE STOP")) is None
@@ -50,6 +61,6 @@ def test_kind_catalogue():
     assert {k.value for k in FaultKind} == {"link_break", "link_flap", "device_reset", "uce",
                                             "hang", "oom", "process_kill"}
     assert set(KINDS) == set(FaultKind)
-    assert IMPLEMENTED_KINDS == {FaultKind.LINK_BREAK, FaultKind.LINK_FLAP, FaultKind.OOM}
+    assert IMPLEMENTED_KINDS == set(FaultKind)
     assert all(KINDS[k].collective for k in (FaultKind.LINK_BREAK, FaultKind.LINK_FLAP))
     assert str(FaultKind.LINK_FLAP) == "link_flap"

@@ -125,9 +125,11 @@ def test_bundled_determinism_has_no_faults():
 
 def test_load_scenarios_expands_the_bundled_directory_sorted():
     loaded = load_scenarios([BUNDLED])
-    assert [Path(f).name for f, _ in loaded] == \
-        ["determinism.yaml", "link_break.yaml", "link_flap.yaml", "link_flap_exhausted.yaml",
-         "oom_sampling.yaml"]
+    names = [Path(f).name for f, _ in loaded]
+    assert names == sorted(p.name for p in BUNDLED.glob("*.yaml"))
+    # Every fault kind has at least one bundled scenario.
+    kinds = {str(f.kind) for _, s in loaded for f in s.faults}
+    assert kinds == {str(k) for k in FaultKind}
 
 
 # --- defaults and good examples -------------------------------------------------------------
@@ -399,18 +401,54 @@ def test_a_link_break_accepts_any_times(tmp_path):
     assert load_scenario(write(tmp_path, text)).faults[0].times == 1
 
 
-@pytest.mark.parametrize("kind", sorted(set(FaultKind) - IMPLEMENTED_KINDS, key=str))
-def test_kinds_not_implemented_are_errors_never_ignored(tmp_path, kind):
+@pytest.mark.parametrize("kind", sorted(FaultKind, key=str))
+def test_kinds_not_implemented_are_errors_never_ignored(tmp_path, monkeypatch, kind):
+    # Every kind is implemented today; a kind added later starts out unimplemented.
+    monkeypatch.setattr("ftkit.scenario.rules.IMPLEMENTED_KINDS", IMPLEMENTED_KINDS - {kind})
     text = replace_line(BASE, 11, f"  - kind: {kind}")
     text = replace_line(text, 16, "    times: 1")
-    [(line, field, message)] = problems(write(tmp_path, text))
-    assert (line, field) == (11, "faults[0].kind")
-    assert message == f"fault kind '{kind}' is not implemented yet"
+    found = problems(write(tmp_path, text))
+    assert (11, "faults[0].kind", f"fault kind '{kind}' is not implemented yet") in found
 
 
-def test_not_implemented_file_points_at_the_second_fault():
-    assert problems(str(DATA / "bad" / "not_implemented.yaml")) == \
-        [(11, "faults[1].kind", "fault kind 'hang' is not implemented yet")]
+def test_bad_params_file_points_at_the_second_fault():
+    assert problems(str(DATA / "bad" / "bad_params.yaml")) == \
+        [(14, "faults[1].params.op_timeout",
+          "unknown param for hang (it takes: op_timeout_s)")]
+
+
+@pytest.mark.parametrize("fault, field, message", [
+    ("{kind: oom, rank: 0, at: {request: 0, token: 2}, params: {size: 3}}",
+     "faults[0].params.size", "unknown param for oom (it takes: none)"),
+    ("{kind: uce, rank: 0, at: {request: 0, token: 2}, params: {region: cache}}",
+     "faults[0].params.region", "input should be 'kv', 'weights' or 'activation'"),
+    ("{kind: hang, rank: 0, at: {request: 0, token: 2}, params: {op_timeout_s: 0}}",
+     "faults[0].params.op_timeout_s", "input should be greater than 0"),
+    ("{kind: hang, rank: 0, at: {request: 0, token: 2}, params: {op_timeout_s: '2'}}",
+     "faults[0].params.op_timeout_s", "input should be a valid number"),
+    ("{kind: process_kill, rank: 0, at: {request: 0, token: 2}, params: {target: all}}",
+     "faults[0].params.target", "input should be 'rank' or 'engine'"),
+    ("{kind: process_kill, rank: 0, at: {request: 0, token: 2}, times: 2}",
+     "faults[0].times", "a killed process fails no further attempt"),
+    ("{kind: uce, rank: 0, at: {request: 0, token: 2}, phase: sample, "
+     "params: {region: activation}}", "faults[0].phase", "only the forward recomputes"),
+    ("{kind: uce, rank: 0, at: {request: 0, token: 0}, phase: before}",
+     "faults[0].at.token", "holds no KV block"),
+])
+def test_kind_specific_params_and_rules(tmp_path, fault, field, message):
+    text = f"name: p\nworkload: {{prompts: [a b c]}}\nfaults:\n  - {fault}\n"
+    text += "expect: {outcome: failed}\n"
+    [(line, got_field, got)] = problems(write(tmp_path, text))
+    assert (line, got_field) == (4, field)
+    assert message in got, got
+
+
+def test_params_get_their_kinds_defaults():
+    from ftkit.scenario.params import parse_params
+
+    assert parse_params(FaultKind.UCE, {}).region == "kv"
+    assert parse_params(FaultKind.HANG, None).op_timeout_s == 2.0
+    assert parse_params(FaultKind.PROCESS_KILL, {}).target == "rank"
 
 
 def test_an_expected_recovery_needs_enough_reinference(tmp_path):
@@ -450,9 +488,10 @@ def test_semantic_rules_also_guard_scenarios_built_in_python():
     with pytest.raises(ScenarioErrors) as info:
         Scenario.model_validate({
             "name": "py", "workload": {"prompts": ["a"]},
-            "faults": [{"kind": "hang", "rank": 0, "at": {"request": 0, "token": 0}}]})
+            "faults": [{"kind": "process_kill", "rank": 0, "at": {"request": 0, "token": 0},
+                        "times": 2}]})
     [error] = info.value.errors
-    assert (error.field, error.line, error.file) == ("faults[0].kind", None, None)
+    assert (error.field, error.line, error.file) == ("faults[0].times", None, None)
 
 
 # --- several files --------------------------------------------------------------------------
@@ -477,7 +516,7 @@ def test_load_scenarios_reports_every_bad_file():
     with pytest.raises(ScenarioErrors) as info:
         load_scenarios([DATA / "bad"])
     files = {Path(e.file).name for e in info.value.errors}
-    assert files == {"many_problems.yaml", "not_implemented.yaml", "syntax.yaml"}
+    assert files == {"many_problems.yaml", "bad_params.yaml", "syntax.yaml"}
 
 
 def test_load_scenarios_rejects_a_name_used_twice(tmp_path):

@@ -1,0 +1,73 @@
+"""Request resumption after an engine death: no token lost, none duplicated.
+
+A killed worker or engine core cannot take part in a recovery round: nothing of the engine is
+left to roll back. ``EngineSession.generate`` then starts a new engine and submits every
+unfinished request again as a *resumed request*: its prompt is the original prompt's token ids
+followed by the tokens it had already produced, its budget the tokens still to produce, and its
+id ``ftkit:<run>:<index>+<offset>`` says how many tokens it had (``offset``). Greedy requests
+then continue exactly: the re-prefill computes the same logits the lost decode step would have.
+
+Seeded sampling continues the same random stream too. vLLM gives a seeded request a generator
+seeded with its seed, and sampling advances it by the same draws for every token. The host
+keeps what is needed to rebuild it (the seed, in the sampling params, and the offset, in the
+request id); the worker fast-forwards a resumed request's new generator by replaying the
+sampler's draws for ``offset`` tokens before it samples the request's first resumed token
+(``fast_forward``). Replaying the sampler itself, rather than a copy of its arithmetic, keeps
+this right for whichever sampling path the platform uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ftkit.inject import parse_request_id
+
+
+def fast_forward(runner: Any, done: dict[str, Any]) -> list[str]:
+    """Advance the generator of every resumed, seeded request in the batch to where the lost
+    engine had left it. ``done`` maps request ids to the generator object already advanced
+    (a re-run of the resumed request's first step creates a new one). Returns the ids
+    advanced now."""
+    batch = runner.input_batch
+    advanced = []
+    for index, req_id in enumerate(batch.req_ids):
+        gen = batch.generators.get(index)
+        if gen is None or done.get(req_id) is gen:
+            continue
+        ref = parse_request_id(req_id)
+        if ref is None or ref.offset == 0:
+            continue
+        _replay_draws(runner, gen, ref.offset)
+        done[req_id] = gen
+        advanced.append(req_id)
+    return advanced
+
+
+def _replay_draws(runner: Any, gen: torch.Generator, tokens: int) -> None:
+    vocab = int(runner.model_config.get_vocab_size())
+    logits = torch.zeros((1, vocab), dtype=torch.float32, device=runner.device)
+    sampler = runner.sampler.topk_topp_sampler
+    # The sampler may also draw from the global generator (for unseeded rows): leave it as
+    # it was, so that fast-forwarding changes nothing but this request's stream.
+    saved = torch.get_rng_state()
+    try:
+        for _ in range(tokens):
+            sampler(logits.clone(), {0: gen}, None, None)
+    finally:
+        torch.set_rng_state(saved)
+
+
+@dataclass
+class ResumePoint:
+    """Where one request stands when its engine died (host side)."""
+
+    index: int
+    prompt_token_ids: list[int] | None
+    produced: list[int] = field(default_factory=list)
+
+    def resumed_prompt(self) -> list[int]:
+        assert self.prompt_token_ids is not None
+        return list(self.prompt_token_ids) + list(self.produced)
