@@ -90,6 +90,22 @@ class EmulatedFaults:
         self.link_down = None
 
 
+class EmulatedFaultModel:
+    """The parts of the injector's fault model (``ftkit.inject.FaultModel``) a hardware backend
+    emulates: a broken link, a hung operator, a reported memory error (``self.faults``)."""
+
+    faults: EmulatedFaults
+
+    def break_link(self, detail: str) -> None:
+        self.faults.break_link(detail)
+
+    def hang(self, detail: str, timeout_s: float | None = None) -> NoReturn:
+        self.faults.hang(detail, timeout_s)
+
+    def report_memory_fault(self, fault: MemoryFault) -> None:
+        self.faults.report_memory_fault(fault)
+
+
 def wrap_collectives(communicator: Any, before: Callable[[str], None]) -> list[str]:
     """Make every collective of ``communicator`` call ``before(op)`` first; returns the names
     wrapped. The wrappers are instance attributes: vLLM's ``GroupCoordinator`` looks the

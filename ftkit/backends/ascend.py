@@ -64,6 +64,7 @@ from typing import Any
 
 from ftkit.backends._common import (
     LINK_KINDS,
+    EmulatedFaultModel,
     EmulatedFaults,
     rebuild_cpu_groups,
     warn_unsupported,
@@ -209,7 +210,7 @@ def _accepts(function: Any, parameter: str) -> bool:
         return False
 
 
-class AscendBackend:
+class AscendBackend(EmulatedFaultModel):
     """Backend for vllm-ascend: HCCL collectives, torch_npu device recovery.
 
     ``device_id``: this rank's NPU (``torch_npu.npu.current_device()`` of the thread that
@@ -256,10 +257,7 @@ class AscendBackend:
             if g.communicator is not None:
                 wrap_collectives(g.communicator, self.faults.check_link)
 
-    # --- the injector's fault model ---------------------------------------------------------
-
-    def break_link(self, detail: str) -> None:
-        self.faults.break_link(detail)
+    # --- the injector's fault model (break_link, hang, report_memory_fault: emulated) ---------
 
     def force_stop(self, detail: str, on_restart: Callable[[], None] | None = None) -> None:
         """A device reset of this rank: a real ``stop_device``; its operations then fail with
@@ -271,12 +269,6 @@ class AscendBackend:
         if on_restart is not None:
             self.faults.on_restart.append(on_restart)
         self._call_stop_device()
-
-    def hang(self, detail: str, timeout_s: float | None = None) -> Any:
-        return self.faults.hang(detail, timeout_s)
-
-    def report_memory_fault(self, fault: MemoryFault) -> None:
-        self.faults.report_memory_fault(fault)
 
     # --- recovery ---------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from ftkit.backends._common import (
     COMMUNICATOR_COLLECTIVES,
+    EmulatedFaultModel,
     EmulatedFaults,
     abort_quietly,
     mark_collective,
@@ -167,7 +168,7 @@ def _nccl_version() -> tuple[int, ...] | None:
     return tuple(int(v) for v in version)
 
 
-class CudaBackend:
+class CudaBackend(EmulatedFaultModel):
     """Backend for vLLM's CUDA platform (``device_backend``: the device groups' torch backend,
     ``nccl``; the contract tests run the same code on ``gloo``)."""
 
@@ -261,10 +262,7 @@ class CudaBackend:
         timeout = self.faults.op_timeout_s
         return timeout if timeout is not None else self._collective_timeout_s
 
-    # --- the injector's fault model (emulated: see the module docstring) --------------------
-
-    def break_link(self, detail: str) -> None:
-        self.faults.break_link(detail)
+    # --- the injector's fault model (break_link, hang, report_memory_fault: emulated) ---------
 
     def force_stop(self, detail: str, on_restart: Callable[[], None] | None = None) -> None:
         """An emulated device reset: CUDA cannot stop and restart a device in process, so
@@ -272,12 +270,6 @@ class CudaBackend:
         self._device_fault = detail
         if on_restart is not None:
             self.faults.on_restart.append(on_restart)
-
-    def hang(self, detail: str, timeout_s: float | None = None) -> Any:
-        return self.faults.hang(detail, timeout_s)
-
-    def report_memory_fault(self, fault: MemoryFault) -> None:
-        self.faults.report_memory_fault(fault)
 
     # --- recovery ---------------------------------------------------------------------------
 
