@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 from ftkit.backends.base import Capability, CommGroup, MemoryFault
-from ftkit.faults import CommunicationStopped, LinkError
+from ftkit.faults import CommunicationStopped, LinkError, OperatorTimeout
 from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S
 
 log = logging.getLogger("ftkit")
@@ -73,8 +73,6 @@ class EmulatedFaults:
             if self._stopped.is_set():
                 raise CommunicationStopped(f"rank {self.rank}: hung operator stopped: {detail}")
             if bound is not None and time.monotonic() - started > bound:
-                from ftkit.faults import OperatorTimeout  # the hang kind's error (ftkit.faults)
-
                 raise OperatorTimeout(f"rank {self.rank}: operator did not finish within the "
                                       f"operator timeout of {bound:g} s: {detail}")
             time.sleep(COLLECTIVE_STOP_SLICE_S)

@@ -78,7 +78,7 @@ from ftkit.backends.base import (
     MemoryFault,
 )
 from ftkit.errors import FtkitError
-from ftkit.faults import CommunicationStopped
+from ftkit.faults import CommunicationStopped, OperatorTimeout
 from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger("ftkit")
@@ -231,8 +231,6 @@ class CudaBackend(EmulatedFaultModel):
                 raise CommunicationStopped(f"rank {self.rank}: {op} stopped while blocked: "
                                            "a peer failed")
             if time.monotonic() > deadline:
-                from ftkit.faults import OperatorTimeout
-
                 raise OperatorTimeout(f"rank {self.rank}: {op} timed out after {bound:g} s: "
                                       "a peer never joined")
             polls += 1

@@ -18,7 +18,7 @@ import torch
 from ftkit.backends.ascend import AscendBackend
 from ftkit.backends.base import RECOVERY_STEPS, MemoryFault
 from ftkit.errors import FtkitError
-from ftkit.faults import CommunicationStopped, SimulatedFault
+from ftkit.faults import CommunicationStopped, OperatorTimeout, SimulatedFault
 
 DEVICE = 3
 
@@ -239,3 +239,11 @@ def test_an_emulated_hang_ends_when_the_rank_is_stopped(load_torch_npu):
             backend.hang("ftkit injected hang", timeout_s=30)
     finally:
         timer.cancel()
+
+
+def test_an_emulated_hang_ends_at_the_operator_timeout(load_torch_npu):
+    load_torch_npu()
+    backend = AscendBackend(0, device_id=DEVICE)
+    backend.set_op_timeout(0.1)
+    with pytest.raises(OperatorTimeout, match="operator timeout of 0.1 s"):
+        backend.hang("ftkit injected hang")
