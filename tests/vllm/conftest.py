@@ -107,6 +107,10 @@ class FaultRun:
     fired: list[dict]
     rounds: list[dict]
     recovered: list[dict]
+    #: ``kv_recomputed`` events (lost KV rebuilt before a re-run), of every rank.
+    kv: list[dict]
+    #: ``params_reloaded`` events (weights reloaded from the checkpoint).
+    reloaded: list[dict]
 
 
 def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[dict],
@@ -131,10 +135,12 @@ def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[
         fired=[e for e in events if e["event"] == "fault_fired" and e["run_id"] == run_id],
         rounds=[e for e in events if e["event"] == "recovery"],
         recovered=[e for e in events if e["event"] == "step_recovered"],
+        kv=[e for e in events if e["event"] == "kv_recomputed"],
+        reloaded=[e for e in events if e["event"] == "params_reloaded"],
     )
 
 
 def fault(kind: str, rank, request: int, token: int, phase: str = "forward",
-          times: int = 1) -> dict:
+          times: int = 1, **params) -> dict:
     return {"kind": kind, "rank": rank, "at": {"request": request, "token": token},
-            "phase": phase, "times": times, "params": {}}
+            "phase": phase, "times": times, "params": params}

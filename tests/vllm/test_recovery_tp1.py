@@ -70,9 +70,10 @@ def test_without_rollback_a_new_block_step_corrupts_tokens(tiny_model, baseline,
     this process would share the session engine's process groups).
     """
     token = new_block_token(baseline.prompt_lens[0])
+    oom = fault("oom", 0, 0, token, "forward")
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("_naive_rerun.py")), tiny_model,
-         str(token), str(tmp_path), str(LONG.max_tokens), json.dumps(PROMPTS)],
+         str(tmp_path), str(LONG.max_tokens), json.dumps(PROMPTS), json.dumps(oom), "rollback"],
         capture_output=True, text=True, timeout=240)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

@@ -1,0 +1,78 @@
+"""A killed process: the engine is restarted and every request resumed from its tokens.
+
+A real SIGKILL of a worker: no rank can take part in a recovery round, so ftkit's engine
+session sees the engine die, reaps every process of it, starts a new engine and submits each
+unfinished request again with its prompt plus the tokens it had produced. The joined stream
+must be the fault-free one, no token lost and none duplicated, and no process may survive.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import torch
+
+from ftkit.inject import parse_request_id, request_id
+from ftkit.vllm.engine import EngineSession, EngineSpec
+from ftkit.vllm.resume import _replay_draws
+
+from conftest import GREEDY, PROMPTS, assert_reaped, fault, recovery_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+
+def test_killed_worker_is_resumed_token_for_token(tiny_model, baseline, tmp_path):
+    from ftkit.recovery.events import read_events
+
+    engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
+                           recovery=recovery_config(str(tmp_path)))
+    with engine:
+        run_id = engine.new_run_id()
+        engine.set_fault_plan(run_id, [fault("process_kill", 1, 1, 17, "forward")])
+        first_pids = list(engine.pids)
+        out = engine.generate(PROMPTS, GREEDY, run_id=run_id, max_restarts=1,
+                              deadline=time.monotonic() + 300)
+    assert out.error is None
+    assert [r.token_ids for r in out.requests] == baseline.tokens["greedy"]
+    [restart] = out.restarts
+    assert restart["resumed_requests"] == [0, 1, 2, 3]
+    assert restart["restart_s"] > 0 and restart["resumed_at_s"] > restart["died_at_s"]
+    [fired] = [e for e in read_events(tmp_path) if e["event"] == "fault_fired"]
+    assert fired["rank"] == 1 and fired["pid"] in first_pids
+    assert not psutil.pid_exists(fired["pid"])
+    # The kill was planned once: the new engine got the plan with the attempt that fired,
+    # and did not kill again.
+    assert len(engine.pids) > len(first_pids)
+    assert_reaped(engine.pids)
+
+
+def test_resumed_request_ids_carry_their_offset():
+    rid = request_id("r1.2", 3, offset=17)
+    assert rid == "ftkit:r1.2:3+17"
+    assert parse_request_id(rid + "-a1b2c3") == ("r1.2", 3, 17)
+    assert parse_request_id("ftkit:r1.2:3-a1b2") == ("r1.2", 3, 0)
+
+
+def test_fast_forward_replays_exactly_the_samplers_draws(tiny_model):
+    """A resumed seeded request continues its stream only if its new generator ends up where
+    the lost one was: replaying the sampler's draws must consume exactly what sampling
+    ``k`` tokens consumed, on vLLM's own sampler."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    sampler = TopKTopPSampler()
+    vocab = 512
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    lost = torch.Generator().manual_seed(1234)
+    for _ in range(9):  # the lost engine sampled 9 tokens of this request (row 1)
+        sampler(logits.clone(), {1: lost}, None, None)
+    runner = SimpleNamespace(device="cpu", sampler=SimpleNamespace(topk_topp_sampler=sampler),
+                             model_config=SimpleNamespace(get_vocab_size=lambda: vocab))
+    resumed = torch.Generator().manual_seed(1234)
+    _replay_draws(runner, resumed, 9)
+    assert torch.equal(resumed.get_state(), lost.get_state())
+    fresh = torch.Generator().manual_seed(1234)
+    assert not torch.equal(fresh.get_state(), lost.get_state())
