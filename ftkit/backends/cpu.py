@@ -28,12 +28,13 @@ import threading
 import time
 from datetime import timedelta
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ftkit.backends import shm
+from ftkit.backends._common import EmulatedFaultModel, EmulatedFaults, abort_quietly
 from ftkit.backends.base import (
     STEP_COMM_REBUILD,
     STEP_DEVICE_RESTART,
@@ -45,7 +46,7 @@ from ftkit.backends.base import (
     CommGroup,
     MemoryFault,
 )
-from ftkit.faults import CommunicationStopped, ForceStopError, LinkError, OperatorTimeout
+from ftkit.faults import CommunicationStopped, ForceStopError, OperatorTimeout
 from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger("ftkit")
@@ -100,7 +101,7 @@ class AbortableCollectives:
             tensor, src=src, group=group, async_op=True))
 
 
-class CpuBackend:
+class CpuBackend(EmulatedFaultModel):
     """Backend for vLLM's CPU platform: shared memory where it fits, gloo otherwise."""
 
     name = "cpu"
@@ -115,12 +116,10 @@ class CpuBackend:
         self._shm: dict[int, shm.ShmGroup] = {}  # id(device_group) -> its segment
         self._generation = 0
         self._stopped = threading.Event()
-        self._link_down: str | None = None
-        self._memory_faults: list[MemoryFault] = []
+        #: The link, hang and memory-error parts of the fault model (shared with the
+        #: hardware backends, which emulate them too).
+        self.faults = EmulatedFaults(rank, self._stopped)
         self._device_stopped: str | None = None
-        self._on_restart: list[Callable[[], None]] = []
-        #: Bound of a simulated hung operator (``set_op_timeout``); ``None``: no bound.
-        self.op_timeout_s: float | None = None
         self.collectives = AbortableCollectives(self)
         #: Collectives issued (for tests and diagnostics).
         self.collectives_issued = 0
@@ -172,13 +171,14 @@ class CpuBackend:
 
     # --- the fault model --------------------------------------------------------------------
 
-    def break_link(self, detail: str) -> None:
-        """From now until the next rebuild, this rank's collectives fail without entering."""
-        self._link_down = detail
-
     @property
     def link_is_down(self) -> bool:
-        return self._link_down is not None
+        return self.faults.link_down is not None
+
+    @property
+    def op_timeout_s(self) -> float | None:
+        """Bound of a simulated hung operator and of a collective (``set_op_timeout``)."""
+        return self.faults.op_timeout_s
 
     def force_stop(self, detail: str, on_restart: Callable[[], None] | None = None) -> None:
         """The device is force-stopped: until ``recover_device`` restarts it, its operations
@@ -186,28 +186,12 @@ class CpuBackend:
         restart: what the reset destroyed."""
         self._device_stopped = detail
         if on_restart is not None:
-            self._on_restart.append(on_restart)
+            self.faults.on_restart.append(on_restart)
 
     def check_device(self) -> None:
         """What a device operation meets on this rank: raises if the device is stopped."""
         if self._device_stopped is not None:
             raise ForceStopError(f"{self._device_stopped} (rank {self.rank})")
-
-    def report_memory_fault(self, fault: MemoryFault) -> None:
-        self._memory_faults.append(fault)
-
-    def hang(self, detail: str, timeout_s: float | None = None) -> NoReturn:
-        """An operator that never returns by itself: it ends by the operator timeout
-        (``timeout_s``, else the one ``set_op_timeout`` set) or by a stop."""
-        bound = timeout_s if timeout_s is not None else self.op_timeout_s
-        started = time.monotonic()
-        while True:
-            if self._stopped.is_set():
-                raise CommunicationStopped(f"rank {self.rank}: hung operator stopped: {detail}")
-            if bound is not None and time.monotonic() - started > bound:
-                raise OperatorTimeout(f"rank {self.rank}: operator did not finish within the "
-                                      f"operator timeout of {bound:g} s: {detail}")
-            time.sleep(COLLECTIVE_STOP_SLICE_S)
 
     def run_collective(self, op: str, issue, run_shm=None) -> None:
         """Run one collective unless the link is down or a stop was asked for.
@@ -217,8 +201,7 @@ class CpuBackend:
         """
         self.collectives_issued += 1
         self.check_device()
-        if self._link_down is not None:
-            raise LinkError(f"{self._link_down} (rank {self.rank}, {op})")
+        self.faults.check_link(op)
         if self._stopped.is_set():
             raise CommunicationStopped(f"rank {self.rank}: {op} stopped: a peer failed")
         if run_shm is not None:
@@ -253,10 +236,10 @@ class CpuBackend:
         return isinstance(exc, CommunicationStopped)
 
     def memory_faults(self) -> list[MemoryFault]:
-        return list(self._memory_faults)
+        return list(self.faults.memory_faults)
 
     def set_op_timeout(self, seconds: float | None) -> None:
-        self.op_timeout_s = seconds
+        self.faults.op_timeout_s = seconds
 
     def get_rng_state(self) -> Any:
         return torch.get_rng_state()
@@ -276,12 +259,9 @@ class CpuBackend:
     def recover_device(self, kinds: tuple[str, ...]) -> None:
         # Link faults need no device work on CPU: the rebuild repairs them.
         if self._device_stopped is not None:
-            # The restart: what the reset destroyed is gone now.
-            hooks, self._on_restart = self._on_restart, []
-            for hook in hooks:
-                hook()
             self._device_stopped = None
-        self._memory_faults.clear()
+        # The restart: what the reset destroyed is gone now; reported errors are handled.
+        self.faults.restarted()
         if "oom" in kinds:
             gc.collect()
 
@@ -289,7 +269,7 @@ class CpuBackend:
         for g in self._groups:
             old_cpu, old_dev = g.current_groups()
             for pg in {id(old_cpu): old_cpu, id(old_dev): old_dev}.values():
-                _abort_quietly(pg)
+                abort_quietly(pg)
             timeout = timedelta(seconds=timeout_s)
             new_cpu = dist.new_group(g.ranks, backend="gloo", timeout=timeout)
             new_dev = new_cpu if old_dev is old_cpu else dist.new_group(
@@ -298,13 +278,4 @@ class CpuBackend:
         self._stopped.clear()
         self._generation += 1
         self._open_segments()
-        self._link_down = None
-
-
-def _abort_quietly(pg: Any) -> None:
-    if pg is None:
-        return
-    try:
-        pg.abort()
-    except Exception as exc:  # an already broken group may refuse; it is dropped anyway
-        log.debug("abort of %r failed: %s", pg, exc)
+        self.faults.repaired_links()

@@ -29,13 +29,19 @@ log = logging.getLogger("ftkit")
 
 #: Engine arguments ftkit sets unless the scenario's ``engine.args`` says otherwise.
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {
-    # torch.compile costs minutes on CPU for no benefit to a correctness check.
+    # torch.compile costs minutes on CPU for no benefit to a correctness check (and CUDA
+    # graphs replay a step that recovery cannot roll back).
     "enforce_eager": True,
     "disable_log_stats": True,
+    # The recovery engine restores one step at a time; vLLM on GPU schedules ahead by default.
+    "async_scheduling": False,
 }
-#: Environment for the engine's processes (read by vLLM when the engine starts).
+#: Environment for the engine's processes (read by vLLM when the engine starts); a value
+#: already in the environment wins.
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    # The recovery engine knows how to restore vLLM's V1 model runner (GPU default: V2).
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
 }
 REAP_GRACE_S = 10.0
 #: How often a running workload looks at the engine's processes (to see one die).
