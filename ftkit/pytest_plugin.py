@@ -284,6 +284,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("ftkit_scenario_glob", SCENARIO_GLOB_HELP, type="linelist", default=[])
 
 
+_SCENARIO_RUNNER = pytest.StashKey[Any]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", FAULT_MARKER_HELP)
     config.addinivalue_line("markers", SETTINGS_MARKER_HELP)
@@ -291,6 +294,24 @@ def pytest_configure(config: pytest.Config) -> None:
     base = config.invocation_params.dir
     config.stash[_NAMED_PATHS] = frozenset(
         (base / str(arg).split("::")[0]).resolve() for arg in config.args)
+
+
+def _scenario_runner(config: pytest.Config) -> Any:
+    """One ``ScenarioRunner`` for the session (per xdist worker): scenario items with alike
+    engines share them; every engine is shut down when the session ends."""
+    runner = config.stash.get(_SCENARIO_RUNNER, None)
+    if runner is None:
+        from ftkit.runner import ScenarioRunner
+
+        runner = config.stash[_SCENARIO_RUNNER] = ScenarioRunner()
+    return runner
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    runner = session.config.stash.get(_SCENARIO_RUNNER, None)
+    if runner is not None:
+        del session.config.stash[_SCENARIO_RUNNER]
+        runner.close()
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> ScenarioFile | None:
@@ -357,13 +378,13 @@ class ScenarioItem(pytest.Item):
 
     def setup(self) -> None:
         from ftkit.results import Verdict
-        from ftkit.runner import run_scenario
 
         progress: list[str] = []
         try:
-            self.result = run_scenario(self.scenario, file=self.file,
-                                       on_event=lambda e: progress.append(
-                                           f"{e.stage}: {e.message}" if e.message else e.stage))
+            runner = _scenario_runner(self.config)
+            self.result = runner.run(self.scenario, file=self.file,
+                                     on_event=lambda e: progress.append(
+                                         f"{e.stage}: {e.message}" if e.message else e.stage))
         finally:
             if progress:
                 self.add_report_section("setup", "ftkit progress", "\n".join(progress))

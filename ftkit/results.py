@@ -88,6 +88,8 @@ class RunOutput:
     #: Pids of every process the run started; all were reaped when the run returned.
     pids: list[int] = field(default_factory=list)
     from_cache: bool = False
+    #: The run id the engine host gave the workload (fault events carry it).
+    run_id: str | None = None
     #: Engine restarts after a process died (``GenerateResult.restarts``): ``died_at_s``,
     #: ``restart_s``, ``resumed_at_s``, ``resumed_requests``, ``error``.
     restarts: list[dict[str, Any]] = field(default_factory=list)

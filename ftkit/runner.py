@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,37 +37,148 @@ from ftkit.recovery.config import DEFAULT_ROUND_TIMEOUT_S
 from ftkit.recovery.events import read_events
 from ftkit.results import FaultRecord, FiredAt, RecoveryRecord, RequestOutput, RunOutput, ScenarioResult
 from ftkit.verify import verify
+from ftkit.vllm.host import engine_key
 
-#: Bound on how long the host may take to exit after it wrote its result.
+#: Bound on how long a host may take to exit once told to.
 HOST_EXIT_GRACE_S = 30.0
 #: How often the parent looks at the journal files for new fault and recovery events.
 EVENT_POLL_S = 0.25
+#: Engine hosts kept alive between scenarios (each holds one engine: its processes and memory).
+MAX_IDLE_HOSTS = 2
 BASELINE_CACHE_VERSION = 1
+
+
+class ScenarioRunner:
+    """Runs scenarios one after the other, keeping engine hosts between them.
+
+    Scenarios whose engines are configured alike (the same engine settings; with or without
+    ftkit and its recovery settings) share one engine host: one engine start, not one per
+    scenario. ``close()`` (or leaving the ``with`` block) shuts every host down and reaps every
+    process below it; so does any failure or interrupt inside ``run``.
+    """
+
+    def __init__(self, *, use_cache: bool = True) -> None:
+        self.use_cache = use_cache
+        self._hosts: dict[str, _Host] = {}  # engine key -> host, least recently used first
+
+    def __enter__(self) -> ScenarioRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        hosts, self._hosts = list(self._hosts.values()), {}
+        for host in hosts:
+            host.close()
+
+    def run(self, scenario: Any, *, file: str,
+            on_event: EventSink = ignore_events) -> ScenarioResult:
+        """Run ``scenario`` and return its verdict. Never leaves a process behind."""
+        started = time.monotonic()
+        model_dir = str(resolve_model(scenario.engine.model))
+        deadline = started + scenario.expect.timeout_s
+        baseline = self.baseline_for(scenario, model_dir, on_event=on_event, deadline=deadline)
+        recovery = {"enabled": scenario.recovery.enabled,
+                    "max_reinference": scenario.recovery.max_reinference,
+                    "round_timeout_s": min(DEFAULT_ROUND_TIMEOUT_S, scenario.expect.timeout_s)}
+        faults = [f.model_dump(mode="json") for f in scenario.faults]
+        # A killed process cannot be recovered in place: the engine host restarts the engine
+        # and resumes the requests, once per kill. The engine core then needs its own process.
+        kills = sum(1 for f in scenario.faults if f.kind == FaultKind.PROCESS_KILL)
+        resume = kills if scenario.recovery.enabled else 0
+        run = self.run_job(scenario, model_dir, recovery=recovery, faults=faults,
+                           on_event=on_event, timeout_s=max(1.0, deadline - time.monotonic()),
+                           max_restarts=resume, multiprocess=True if kills else None)
+        result = verify(scenario, baseline, run, file=file,
+                        duration_s=time.monotonic() - started)
+        result.baseline_from_cache = baseline.from_cache
+        on_event(ProgressEvent(scenario.name, "done", f"{result.verdict}: {result.reason}"))
+        return result
+
+    # --- the baseline ------------------------------------------------------------------------
+
+    def baseline_for(self, scenario: Any, model_dir: str, *, on_event: EventSink,
+                     deadline: float) -> RunOutput:
+        path = cache_root() / "baselines" / f"{baseline_key(scenario, model_dir)}.json"
+        if self.use_cache and path.is_file():
+            try:
+                cached = _run_output_from_dict(json.loads(path.read_text()))
+                cached.from_cache = True
+                on_event(ProgressEvent(scenario.name, "baseline", "fault-free tokens from cache"))
+                return cached
+            except (ValueError, KeyError, TypeError):
+                path.unlink(missing_ok=True)  # a damaged cache entry is recomputed
+        on_event(ProgressEvent(scenario.name, "baseline", "fault-free reference run"))
+        out = self.run_job(scenario, model_dir, recovery=None, faults=[], on_event=on_event,
+                           timeout_s=max(1.0, deadline - time.monotonic()))
+        if out.error is None and not out.timed_out and self.use_cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(_run_output_to_dict(out)))
+            tmp.replace(path)
+        return out
+
+    # --- one engine run --------------------------------------------------------------------
+
+    def run_job(self, scenario: Any, model_dir: str, *, recovery: dict[str, Any] | None,
+                faults: list[dict[str, Any]], on_event: EventSink, timeout_s: float,
+                max_restarts: int = 0, multiprocess: bool | None = None) -> RunOutput:
+        """Run the scenario's workload once on a (possibly kept) engine host, within
+        ``timeout_s``. A host that timed out, or whose job failed to finish, is killed."""
+        w = scenario.workload
+        job = {
+            "engine": {"model": model_dir,
+                       "tensor_parallel_size": scenario.engine.tensor_parallel_size,
+                       "dtype": scenario.engine.dtype,
+                       "max_model_len": scenario.engine.max_model_len,
+                       "block_size": scenario.engine.block_size, "seed": scenario.engine.seed,
+                       "args": dict(scenario.engine.args)},
+            "sampling": {"max_tokens": w.max_tokens, "temperature": w.temperature,
+                         "top_p": w.top_p, "seed": w.seed},
+            "prompts": scenario.prompts(),
+            "recovery": recovery,
+            "faults": faults,
+            "max_restarts": max_restarts,
+            "multiprocess": multiprocess,
+        }
+        host = self._host_for(job)
+        try:
+            out = host.run(job, scenario.name, on_event, timeout_s,
+                           planned=list(scenario.faults) if faults else [])
+        except BaseException:
+            self._drop(host)
+            raise
+        if out.timed_out or not host.alive:
+            self._drop(host)
+        return out
+
+    def _host_for(self, job: dict[str, Any]) -> _Host:
+        key = engine_key({**job, "recovery": (
+            None if job["recovery"] is None else {**job["recovery"], "journal_dir": None})})
+        host = self._hosts.pop(key, None)
+        if host is None or not host.alive:
+            if host is not None:
+                host.close()
+            host = _Host(key, journal=job["recovery"] is not None)
+        self._hosts[key] = host  # most recently used last
+        while len(self._hosts) > MAX_IDLE_HOSTS:
+            oldest = next(iter(self._hosts))
+            self._hosts.pop(oldest).close()
+        return host
+
+    def _drop(self, host: _Host) -> None:
+        if self._hosts.get(host.key) is host:
+            del self._hosts[host.key]
+        host.close()
 
 
 def run_scenario(scenario: Any, *, file: str, on_event: EventSink = ignore_events,
                  use_cache: bool = True) -> ScenarioResult:
-    """Run ``scenario`` and return its verdict. Never leaves a process behind."""
-    started = time.monotonic()
-    model_dir = str(resolve_model(scenario.engine.model))
-    deadline = started + scenario.expect.timeout_s
-    baseline = baseline_for(scenario, model_dir, on_event=on_event, use_cache=use_cache,
-                            deadline=deadline)
-    recovery = {"enabled": scenario.recovery.enabled,
-                "max_reinference": scenario.recovery.max_reinference,
-                "round_timeout_s": min(DEFAULT_ROUND_TIMEOUT_S, scenario.expect.timeout_s)}
-    faults = [f.model_dump(mode="json") for f in scenario.faults]
-    # A killed process cannot be recovered in place: the engine host restarts the engine and
-    # resumes the requests, once per kill. The engine core then needs a process of its own.
-    kills = sum(1 for f in scenario.faults if f.kind == FaultKind.PROCESS_KILL)
-    resume = kills if scenario.recovery.enabled else 0
-    run = run_job(scenario, model_dir, recovery=recovery, faults=faults, on_event=on_event,
-                  timeout_s=max(1.0, deadline - time.monotonic()), max_restarts=resume,
-                  multiprocess=True if kills else None)
-    result = verify(scenario, baseline, run, file=file, duration_s=time.monotonic() - started)
-    result.baseline_from_cache = baseline.from_cache
-    on_event(ProgressEvent(scenario.name, "done", f"{result.verdict}: {result.reason}"))
-    return result
+    """Run one ``scenario`` on engines of its own and return its verdict (see
+    ``ScenarioRunner`` to share engines between scenarios). Never leaves a process behind."""
+    with ScenarioRunner(use_cache=use_cache) as runner:
+        return runner.run(scenario, file=file, on_event=on_event)
 
 
 # --- the baseline ------------------------------------------------------------------------------
@@ -82,24 +194,9 @@ def baseline_key(scenario: Any, model_dir: str) -> str:
 
 def baseline_for(scenario: Any, model_dir: str, *, on_event: EventSink, use_cache: bool,
                  deadline: float) -> RunOutput:
-    path = cache_root() / "baselines" / f"{baseline_key(scenario, model_dir)}.json"
-    if use_cache and path.is_file():
-        try:
-            cached = _run_output_from_dict(json.loads(path.read_text()))
-            cached.from_cache = True
-            on_event(ProgressEvent(scenario.name, "baseline", "fault-free tokens from cache"))
-            return cached
-        except (ValueError, KeyError, TypeError):
-            path.unlink(missing_ok=True)  # a damaged cache entry is recomputed
-    on_event(ProgressEvent(scenario.name, "baseline", "fault-free reference run"))
-    out = run_job(scenario, model_dir, recovery=None, faults=[], on_event=on_event,
-                  timeout_s=max(1.0, deadline - time.monotonic()))
-    if out.error is None and not out.timed_out and use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_run_output_to_dict(out)))
-        tmp.replace(path)
-    return out
+    """The fault-free run of ``scenario``'s workload, from the cache or computed now."""
+    with ScenarioRunner(use_cache=use_cache) as runner:
+        return runner.baseline_for(scenario, model_dir, on_event=on_event, deadline=deadline)
 
 
 def _run_output_to_dict(out: RunOutput) -> dict[str, Any]:
@@ -121,100 +218,133 @@ def _version(dist: str) -> str | None:
         return None
 
 
-# --- one engine run in an owned child process ----------------------------------------------------
-
 def run_job(scenario: Any, model_dir: str, *, recovery: dict[str, Any] | None,
             faults: list[dict[str, Any]], on_event: EventSink, timeout_s: float,
             max_restarts: int = 0, multiprocess: bool | None = None) -> RunOutput:
-    """Run the scenario's workload once in an engine host; bounded by ``timeout_s``."""
-    with tempfile.TemporaryDirectory(prefix="ftkit-run-") as tmp:
-        work = Path(tmp)
-        journal = work / "journal"
-        journal.mkdir()
-        if recovery is not None:
-            recovery = {**recovery, "journal_dir": str(journal)}
-        w = scenario.workload
-        job = {
-            "engine": {"model": model_dir,
-                       "tensor_parallel_size": scenario.engine.tensor_parallel_size,
-                       "dtype": scenario.engine.dtype,
-                       "max_model_len": scenario.engine.max_model_len,
-                       "block_size": scenario.engine.block_size, "seed": scenario.engine.seed,
-                       "args": dict(scenario.engine.args)},
-            "sampling": {"max_tokens": w.max_tokens, "temperature": w.temperature,
-                         "top_p": w.top_p, "seed": w.seed},
-            "prompts": scenario.prompts(),
-            "recovery": recovery,
-            "faults": faults,
-            "max_restarts": max_restarts,
-            "multiprocess": multiprocess,
-            "result_path": str(work / "result.json"),
-        }
-        (work / "job.json").write_text(json.dumps(job))
-        host = _Host(scenario.name, work, on_event)
-        timed_out = host.run(timeout_s)
-        out = host.result(len(job["prompts"]))
-        out.timed_out = timed_out
-        if timed_out:
-            out.error = (out.error or "") + f"run stopped after its timeout of {timeout_s:.0f} s"
-        out.faults, out.recoveries = collect_events(read_events(journal), scenario.faults,
-                                                    origin=out.started_at,
-                                                    restarts=out.restarts)
-        return out
+    """Run the scenario's workload once on an engine host of its own; bounded by
+    ``timeout_s``."""
+    with ScenarioRunner() as runner:
+        return runner.run_job(scenario, model_dir, recovery=recovery, faults=faults,
+                              on_event=on_event, timeout_s=timeout_s,
+                              max_restarts=max_restarts, multiprocess=multiprocess)
 
+
+# --- the engine host ------------------------------------------------------------------------------
 
 class _Host:
-    """The engine host process and its progress stream."""
+    """One engine host process (``ftkit.vllm.host``): its jobs, its progress stream, its
+    journal and every process below it."""
 
-    def __init__(self, name: str, work: Path, on_event: EventSink) -> None:
-        self.name = name
-        self.work = work
-        self.on_event = on_event
-        self.log_path = work / "engine.log"
+    def __init__(self, key: str, *, journal: bool) -> None:
+        self.key = key
+        self.work = Path(tempfile.mkdtemp(prefix="ftkit-host-"))
+        self.journal = self.work / "journal" if journal else None
+        if self.journal is not None:
+            self.journal.mkdir()
+        self.log_path = self.work / "engine.log"
         self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+        self._jobs = 0
+        self._done = threading.Event()
+        self._sink: tuple[str, EventSink] | None = None
         self._seen_events = 0
         #: Every process seen below the host, by (pid, start time): one that the host left
         #: behind is reparented away from it, and is still found and killed by its pid.
         self._descendants: set[tuple[int, float]] = set()
 
-    def run(self, timeout_s: float) -> bool:
-        """Start the host and wait for it; return True if it had to be stopped for time."""
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _start(self) -> None:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ftkit.vllm.host", str(self.work / "job.json")],
-                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                env=env, start_new_session=True)
-            reader = threading.Thread(target=self._read_progress, daemon=True)
-            reader.start()
-            deadline = time.monotonic() + timeout_s
-            exit_deadline: float | None = None
-            try:
-                while True:
-                    try:
-                        self.proc.wait(timeout=EVENT_POLL_S)
-                        break
-                    except subprocess.TimeoutExpired:
-                        pass
-                    self._poll_journal()
-                    self._note_descendants()
-                    now = time.monotonic()
-                    if now > deadline:
-                        return True
-                    if exit_deadline is None and (self.work / "result.json").exists():
-                        exit_deadline = now + HOST_EXIT_GRACE_S
-                    if exit_deadline is not None and now > exit_deadline:
-                        break  # it produced its result but hangs on exit: killed below
-            finally:
-                # On a clean exit this reaps stragglers; on a timeout, Ctrl-C or any failure it
-                # makes sure nothing the host started survives.
-                self._note_descendants()
-                kill_tree(self.proc.pid)
-                kill_processes(self._descendants)
-                reader.join(timeout=5)
+                [sys.executable, "-m", "ftkit.vllm.host"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                start_new_session=True)
+        self._reader = threading.Thread(target=self._read_progress, daemon=True)
+        self._reader.start()
+
+    def run(self, job: dict[str, Any], name: str, on_event: EventSink, timeout_s: float,
+            planned: list[Any]) -> RunOutput:
+        """Run one job (``planned``: its scenario faults); the result, or a timed-out run
+        (the host is then killed)."""
+        self._jobs += 1
+        job_dir = self.work / f"job{self._jobs}"
+        job_dir.mkdir()
+        result_path = job_dir / "result.json"
+        if job["recovery"] is not None:
+            assert self.journal is not None
+            job = {**job, "recovery": {**job["recovery"], "journal_dir": str(self.journal)}}
+        job = {**job, "result_path": str(result_path)}
+        (job_dir / "job.json").write_text(json.dumps(job))
+        if self.proc is None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        self._sink = (name, on_event)
+        self._done.clear()
+        self._seen_events = self._event_count()
+        since = time.time()
+        self.proc.stdin.write(json.dumps({"job": str(job_dir / "job.json")}) + "\n")
+        self.proc.stdin.flush()
+        timed_out = not self._wait(time.monotonic() + timeout_s)
+        finished = result_path.is_file()
+        if timed_out:
+            self.close()  # nothing the host started survives a job it did not finish
+        out = self._result(result_path, len(job["prompts"]))
+        out.timed_out = timed_out
+        if timed_out:
+            out.error = (out.error or "") + f"run stopped after its timeout of {timeout_s:.0f} s"
+        if self.journal is not None and self.journal.is_dir():
+            # The journal is the host's; this job's part is what came after it started (and,
+            # for fired faults, what carries its run id).
+            events = [e for e in read_events(self.journal) if e["time"] >= since
+                      and e.get("run_id", out.run_id) == out.run_id]
+            out.faults, out.recoveries = collect_events(
+                events, planned, origin=out.started_at, restarts=out.restarts)
+        if not finished:
+            self.close()
+        return out
+
+    def _wait(self, deadline: float) -> bool:
+        """Wait until the job is done (True), the host died or the deadline passed (False)."""
+        assert self.proc is not None
+        try:
+            while not self._done.wait(EVENT_POLL_S):
                 self._poll_journal()
-        return False
+                self._note_descendants()
+                if self.proc.poll() is not None:
+                    return True  # died: the missing result says why
+                if time.monotonic() > deadline:
+                    return False
+        finally:
+            self._poll_journal()
+        self._note_descendants()
+        return True
+
+    def close(self) -> None:
+        """Ask the host to exit, then make sure nothing it started survives."""
+        proc = self.proc
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None and proc.stdin is not None:
+                proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                proc.stdin.flush()
+                proc.wait(timeout=HOST_EXIT_GRACE_S)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            # On a clean exit this reaps stragglers; on a timeout, Ctrl-C or any failure it
+            # makes sure nothing the host started survives.
+            self._note_descendants()
+            kill_tree(proc.pid)
+            kill_processes(self._descendants)
+            if self._reader is not None:
+                self._reader.join(timeout=5)
+            shutil.rmtree(self.work, ignore_errors=True)
 
     def _note_descendants(self) -> None:
         assert self.proc is not None
@@ -236,25 +366,33 @@ class _Host:
             except json.JSONDecodeError:
                 continue
             stage = msg.get("stage")
-            if stage in ("engine_start", "engine_ready", "tokens"):
-                self.on_event(ProgressEvent(self.name, stage, msg.get("message", ""),
-                                            msg.get("tokens_done", 0), msg.get("tokens_total", 0)))
+            if stage == "job_done":
+                self._done.set()
+            elif stage in ("engine_start", "engine_ready", "tokens") and self._sink:
+                name, sink = self._sink
+                sink(ProgressEvent(name, stage, msg.get("message", ""),
+                                   msg.get("tokens_done", 0), msg.get("tokens_total", 0)))
+
+    def _event_count(self) -> int:
+        return len(read_events(self.journal)) if self.journal is not None else 0
 
     def _poll_journal(self) -> None:
-        events = read_events(self.work / "journal")
+        if self.journal is None or self._sink is None:
+            return
+        name, sink = self._sink
+        events = read_events(self.journal)
         for e in events[self._seen_events:]:
             if e["event"] == "fault_fired":
-                self.on_event(ProgressEvent(self.name, "fault",
-                                            f"{e['kind']} on rank {e['rank']} at step {e['step']} "
-                                            f"({e['phase']}, attempt {e['attempt']})"))
+                sink(ProgressEvent(name, "fault",
+                                   f"{e['kind']} on rank {e['rank']} at step {e['step']} "
+                                   f"({e['phase']}, attempt {e['attempt']})"))
             elif e["event"] == "recovery" and e["rank"] == 0:
-                self.on_event(ProgressEvent(self.name, "recovery",
-                                            f"round {e['epoch']}: {e['decision']} in "
-                                            f"{e['duration_s'] * 1000:.0f} ms"))
+                sink(ProgressEvent(name, "recovery",
+                                   f"round {e['epoch']}: {e['decision']} in "
+                                   f"{e['duration_s'] * 1000:.0f} ms"))
         self._seen_events = len(events)
 
-    def result(self, n_requests: int) -> RunOutput:
-        path = self.work / "result.json"
+    def _result(self, path: Path, n_requests: int) -> RunOutput:
         if not path.is_file():
             return RunOutput(requests=[RequestOutput(i, []) for i in range(n_requests)],
                              error="the engine host ended without a result: "
@@ -263,6 +401,7 @@ class _Host:
         out = _run_output_from_dict(d)
         out.pids = d.get("pids", [])
         out.restarts = d.get("restarts", [])
+        out.run_id = d.get("run_id")
         if out.error:
             out.error = out.error[:2000]
         return out
@@ -375,5 +514,5 @@ def _resumed_by_restart(rec: FaultRecord, restarts: list[dict[str, Any]]) -> Non
         rec.recovery_s = first["resumed_at_s"] - rec.at_s
 
 
-__all__ = ["run_scenario", "run_job", "baseline_for", "baseline_key", "kill_tree",
-           "kill_processes", "collect_events"]
+__all__ = ["ScenarioRunner", "run_scenario", "run_job", "baseline_for", "baseline_key",
+           "kill_tree", "kill_processes", "collect_events"]

@@ -26,7 +26,8 @@ import os
 import re
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +137,12 @@ def run_command(ctx: click.Context, paths: tuple[str, ...], json_path: Path | No
     """
     err, out = _stderr(), _stdout()
     scenarios = _select(_load_all(list(paths), err), pattern, err)
-    runner = _import_runner()
     results: list[ScenarioResult] = []
     skipped: list[SkippedScenario] = []
     interrupted = False
     try:
-        with RunProgress(err, total=len(scenarios), verbose=verbose) as progress:
+        with _scenario_runner() as runner, \
+                RunProgress(err, total=len(scenarios), verbose=verbose) as progress:
             for file, scenario in scenarios:
                 progress.start(str(scenario.name))
                 result = _run_one(runner, scenario, file, progress, err, verbose)
@@ -188,17 +189,23 @@ def _load_all(paths: list[str], err: Console) -> list[tuple[str, Any]]:
     return list(scenarios)
 
 
-def _import_runner() -> Runner:
-    """``ftkit.runner.run_scenario``, or a stand-in that reports why it cannot be had."""
+@contextmanager
+def _scenario_runner() -> Iterator[Runner]:
+    """``ftkit.runner.ScenarioRunner().run`` for the whole command (scenarios share engines;
+    every engine is shut down when the block ends, also on Ctrl-C), or a stand-in that
+    reports why the runner cannot be had."""
     try:
-        from ftkit.runner import run_scenario
+        from ftkit.runner import ScenarioRunner
     except ImportError as exc:
         problem = exc
 
-        def run_scenario(scenario: Any, *, file: str, on_event: EventSink) -> ScenarioResult:
+        def unavailable(scenario: Any, *, file: str, on_event: EventSink) -> ScenarioResult:
             raise FtkitError(f"cannot load the scenario runner: {problem}")
 
-    return run_scenario
+        yield unavailable
+        return
+    with ScenarioRunner() as runner:
+        yield runner.run
 
 
 def _run_one(runner: Runner, scenario: Any, file: str, sink: EventSink, err: Console,

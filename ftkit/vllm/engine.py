@@ -277,8 +277,9 @@ class EngineSession:
         self._procs: list[psutil.Process] = []
         self.dead: str | None = None
         self._runs = 0
-        #: The fault plan of each run id, as given (to plan it again after a restart).
-        self._plans: dict[str, list[dict[str, Any]]] = {}
+        #: The fault plan (and max_reinference) of each run id, as given, to plan it again
+        #: after a restart.
+        self._plans: dict[str, tuple[list[dict[str, Any]], int | None]] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -339,15 +340,26 @@ class EngineSession:
 
     # --- workloads ----------------------------------------------------------------------------
 
-    def set_fault_plan(self, run_id: str | None, faults: list[dict[str, Any]]) -> None:
+    def set_fault_plan(self, run_id: str | None, faults: list[dict[str, Any]], *,
+                       max_reinference: int | None = None) -> None:
+        """Plan ``faults`` for the run ``run_id`` on every rank. ``max_reinference``, if
+        given, replaces the engine's setting from this run on (engines are shared between
+        scenarios that differ only there)."""
         if self.recovery is None:
             raise EngineError("this engine was started without ftkit; it cannot inject faults")
         if run_id is not None:
-            self._plans[run_id] = [dict(f) for f in faults]
-        self._send_plan(run_id, faults)
+            self._plans[run_id] = ([dict(f) for f in faults], max_reinference)
+        self._send_plan(run_id, faults, max_reinference)
 
-    def _send_plan(self, run_id: str | None, faults: list[dict[str, Any]]) -> None:
-        self.llm.collective_rpc("ftkit_set_fault_plan", args=(run_id, faults))
+    def _send_plan(self, run_id: str | None, faults: list[dict[str, Any]],
+                   max_reinference: int | None) -> None:
+        self.llm.collective_rpc("ftkit_set_fault_plan", args=(run_id, faults, max_reinference))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the KV blocks cached from earlier workloads, so that one workload cannot
+        change how the next is computed."""
+        if self.llm is not None:
+            self.llm.reset_prefix_cache()
 
     def new_run_id(self) -> str:
         self._runs += 1
@@ -434,9 +446,10 @@ class EngineSession:
         self.close()
         self.start()
         restart_s = time.monotonic() - died
-        plan = self._plans.get(run_id)
-        if plan is not None:
-            self._send_plan(run_id, self._replan(run_id, plan))
+        planned = self._plans.get(run_id)
+        if planned is not None:
+            plan, max_reinference = planned
+            self._send_plan(run_id, self._replan(run_id, plan), max_reinference)
         resumed = work.resume(self.llm.llm_engine)
         return {"error": error, "died_at_s": died - started, "restart_s": restart_s,
                 "resumed_at_s": time.monotonic() - started, "resumed_requests": resumed}

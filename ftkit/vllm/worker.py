@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from ftkit.backends.platforms import backend_class
+from ftkit.errors import FtkitError
 from ftkit.inject import Injector
 from ftkit.recovery.aware import FaultAware
 from ftkit.recovery.config import RecoveryConfig
@@ -41,6 +43,9 @@ class FtkitWorker:
         self.injector: Injector | None = None
         self.backend: Any = None
         self.aware: FaultAware | None = None
+        #: Seconds each part of the last rebuild took (emitted with the round's event).
+        self._rebuild_times: dict[str, float] = {}
+        self.coordinator: Coordinator | None = None
 
     # --- the wrapped step methods -------------------------------------------------------------
 
@@ -52,10 +57,19 @@ class FtkitWorker:
 
     # --- control (called through collective_rpc) ----------------------------------------------
 
-    def set_fault_plan(self, run_id: str | None, faults: list[dict[str, Any]]) -> None:
+    def set_fault_plan(self, run_id: str | None, faults: list[dict[str, Any]],
+                       max_reinference: int | None = None) -> None:
+        """Plan the faults of run ``run_id``; ``max_reinference`` (if given) applies from this
+        run on. Reached through ``collective_rpc``, so every rank gets the same settings."""
         self._ready()
-        assert self.injector is not None
+        assert self.injector is not None and self.coordinator is not None
         self.injector.set_plan(run_id, faults)
+        if max_reinference is not None:
+            if isinstance(max_reinference, bool) or not isinstance(max_reinference, int) \
+                    or max_reinference < 0:
+                raise FtkitError(f"max_reinference must be an integer >= 0, got "
+                                 f"{max_reinference!r}")
+            self.coordinator.max_reinference = max_reinference
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -84,18 +98,26 @@ class FtkitWorker:
         def rebuild(decision: Decision) -> None:
             """Every rank, once the round decided to re-run: device, communicators, then
             what the faults destroyed."""
+            times = self._rebuild_times = {}
+            started = time.monotonic()
             self.backend.recover_device(decision.kinds)
+            times["device_s"] = time.monotonic() - started
             if world > 1:
+                started = time.monotonic()
                 self.backend.rebuild_communicators(timeout, decision.kinds)
+                times["comms_s"] = time.monotonic() - started
+            started = time.monotonic()
             own = decision.status_of(self.rank)
             if own is not None and own.reload_params:
                 reloaded = memory.reload_params(set(own.reload_params))
                 self.events.emit("params_reloaded", params=reloaded)
             if decision.kv_lost_all or decision.kv_lost:
                 state.mark_kv_lost(decision.kv_lost, all_blocks=decision.kv_lost_all)
+            times["repair_s"] = time.monotonic() - started
 
         coordinator = Coordinator(self.rank, world, max_reinference=self.config.max_reinference,
                                   round_timeout_s=timeout, rebuild=rebuild)
+        self.coordinator = coordinator
         if world > 1:
             main_channel: Any = StoreChannel(store.clone())
             factory: Any = lambda: StoreChannel(store.clone())  # noqa: E731 - one client a thread
@@ -135,13 +157,20 @@ class FtkitWorker:
 
     def _record_round(self, epoch: int, status: RankStatus, decision: Decision,
                       duration_s: float, wall: float) -> None:
+        assert self.aware is not None
+        rebuild, self._rebuild_times = self._rebuild_times, {}
+        round_times = self.aware.coordinator.last_times
+        stop = self.aware.last_stop_request
         self.events.emit("recovery", epoch=epoch, state=status.state.value, step=status.step,
                          rpc=status.rpc, rpc_kind=status.rpc_kind.value,
                          failures=status.failures, fault=status.kind, error=status.error,
                          decision=decision.action.value, reason=decision.reason,
                          kinds=list(decision.kinds), duration_s=duration_s, started=wall,
                          kv_lost_all=status.kv_lost_all, kv_lost_blocks=len(status.kv_lost),
-                         reload_params=list(status.reload_params))
+                         reload_params=list(status.reload_params),
+                         stop_requested=stop[1] if stop and stop[0] == epoch else None,
+                         statuses_s=round_times.statuses_s, rebuild_s=round_times.rebuild_s,
+                         peers_done_s=round_times.peers_done_s, **rebuild)
 
 
 def _own_engine_process() -> bool:

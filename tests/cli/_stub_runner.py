@@ -31,7 +31,22 @@ def install_stub_runner(monkeypatch, outcomes: dict[str, Verdict | BaseException
             raise outcome
         return make_result(scenario.name, file, outcome)
 
+    class ScenarioRunner:
+        """The runner's shape: a context manager whose ``run`` gives the verdicts."""
+
+        closed = False
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            ScenarioRunner.closed = True
+
+        def run(self, scenario, *, file, on_event):
+            return run_scenario(scenario, file=file, on_event=on_event)
+
     module = types.ModuleType("ftkit.runner")
     module.run_scenario = run_scenario
+    module.ScenarioRunner = ScenarioRunner
     monkeypatch.setitem(sys.modules, "ftkit.runner", module)
     return calls

@@ -119,7 +119,7 @@ FAKE_RUNNER = """
 import ftkit.runner
 from ftkit.results import FaultRecord, RequestComparison, ScenarioResult, Verdict
 
-def fake_run_scenario(scenario, *, file, on_event=None, use_cache=True):
+def fake_run(self, scenario, *, file, on_event=None):
     verdict = Verdict(scenario.description)
     diverged = [RequestComparison(0, [1, 2, 3], [1, 2, 9], first_divergence=2)]
     fault = FaultRecord("oom", 0, 0, 5, "forward", 2, fired=verdict is not Verdict.NOT_APPLIED,
@@ -128,7 +128,7 @@ def fake_run_scenario(scenario, *, file, on_event=None, use_cache=True):
         scenario.name, file, verdict, f"stand-in reason for {verdict}", 0.1,
         requests=diverged if verdict is Verdict.FAIL else [], faults=[fault])
 
-ftkit.runner.run_scenario = fake_run_scenario
+ftkit.runner.ScenarioRunner.run = fake_run
 """
 
 
