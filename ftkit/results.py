@@ -135,6 +135,10 @@ class ScenarioResult:
     error: str | None = None
     baseline_from_cache: bool = False
     tokens_per_s: float | None = None
+    #: The scenario's engine settings (model as written, tensor parallel size, dtype, seed...)
+    #: and its workload's sampling (max_tokens, temperature, top_p, seed).
+    engine: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens_compared(self) -> int:

@@ -43,8 +43,9 @@ from ftkit.vllm.host import engine_key
 HOST_EXIT_GRACE_S = 30.0
 #: How often the parent looks at the journal files for new fault and recovery events.
 EVENT_POLL_S = 0.25
-#: Engine hosts kept alive between scenarios (each holds one engine: its processes and memory).
-MAX_IDLE_HOSTS = 2
+#: Engine hosts kept alive between scenarios (each holds one engine: its processes and about
+#: 1.5 GB per rank). A library mixing plain and ftkit engines at TP 1 and 2 needs four.
+MAX_IDLE_HOSTS = 4
 BASELINE_CACHE_VERSION = 1
 
 
@@ -140,7 +141,8 @@ class ScenarioRunner:
             "recovery": recovery,
             "faults": faults,
             "max_restarts": max_restarts,
-            "multiprocess": multiprocess,
+            # Said explicitly, so that jobs that get the same engine share it.
+            "multiprocess": bool(multiprocess) or scenario.engine.tensor_parallel_size > 1,
         }
         host = self._host_for(job)
         try:

@@ -131,6 +131,8 @@ def verify(scenario: Any, baseline: RunOutput, run: RunOutput, *, file: str,
         error=run.error,
         baseline_from_cache=baseline.from_cache,
         tokens_per_s=_tokens_per_s(run),
+        engine=_engine_settings(scenario),
+        sampling=_sampling_settings(scenario),
     )
     try:
         result.faults = _fault_records(scenario, run)
@@ -338,6 +340,19 @@ def _expect_field(scenario: Any, name: str) -> Any:
 
 def _text(value: Any) -> str:
     return str(value.value) if isinstance(value, enum.Enum) else str(value)
+
+
+def _engine_settings(scenario: Any) -> dict[str, Any]:
+    engine_key = getattr(scenario, "engine_key", None)
+    return dict(engine_key()) if callable(engine_key) else {}
+
+
+def _sampling_settings(scenario: Any) -> dict[str, Any]:
+    w = getattr(scenario, "workload", None)
+    if w is None:
+        return {}
+    return {name: getattr(w, name, None) for name in ("max_tokens", "temperature", "top_p",
+                                                      "seed")}
 
 
 def _tokens_per_s(run: RunOutput) -> float | None:

@@ -4,7 +4,9 @@ x is the time since the workload was submitted, y the latency of each token: the
 the previous token of the same request (for a request's first token, since submission). One
 line with markers per request. Each fault that fired is a vertical line at the moment it first
 fired, labelled with its kind, rank and failing attempts; each recovery round is a shaded span
-from its start for its duration; the first divergent token of a request is marked with a cross.
+from its start for its duration, and so is each engine restart after a killed process (from the
+kill to the resumption of the requests); the first divergent token of a request is marked with
+a cross.
 
 Token times are taken where the engine hands tokens back, so tokens delivered by one engine step
 share a time and all but the first show a latency of 0.
@@ -32,6 +34,7 @@ MAX_LEGEND_REQUESTS = 10
 
 _FAULT_COLOR = "#c62828"
 _RECOVERY_COLOR = "#fb8c00"
+_RESTART_COLOR = "#5e35b1"
 
 # Text stays text (searchable, small); fixed ids and no date keep the output reproducible.
 _SVG_STYLE = {
@@ -80,6 +83,13 @@ def _mark_recoveries(axes: Axes, result: ScenarioResult) -> None:
     for number, round_ in enumerate(r for r in result.recoveries if r.at_s is not None):
         axes.axvspan(round_.at_s, round_.at_s + round_.duration_s, color=_RECOVERY_COLOR,
                      alpha=0.25, linewidth=0, label="recovery round" if number == 0 else None)
+    # A killed process is recovered by an engine restart: from the kill to the resumption.
+    restarts = [f for f in result.faults if f.restart_s is not None and f.at_s is not None
+                and f.recovery_s is not None]
+    for number, fault in enumerate(restarts):
+        axes.axvspan(fault.at_s, fault.at_s + fault.recovery_s, color=_RESTART_COLOR,
+                     alpha=0.2, linewidth=0,
+                     label="engine restart and resumption" if number == 0 else None)
 
 
 def _mark_faults(axes: Axes, result: ScenarioResult) -> None:

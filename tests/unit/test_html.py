@@ -214,3 +214,20 @@ def test_importing_the_reports_does_not_import_matplotlib():
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
     assert out.strip() == "False"
+
+
+def test_an_engine_restart_is_shaded_on_the_timeline():
+    from ftkit.report.timeline import timeline_svg
+    from ftkit.results import FaultRecord, RequestComparison, ScenarioResult, Verdict
+
+    kill = FaultRecord(kind="process_kill", rank=1, request=0, token=3, phase="forward",
+                       times=1, fired=True, attempts=1, recovered=True, recovery_s=21.5,
+                       restart_s=21.0, at_s=0.4)
+    result = ScenarioResult(
+        name="kill", file="k.yaml", verdict=Verdict.PASS, reason="ok", duration_s=30.0,
+        requests=[RequestComparison(0, [1, 2, 3, 4], [1, 2, 3, 4], None,
+                                    actual_times=[0.1, 0.2, 0.3, 22.0])],
+        faults=[kill])
+    svg = timeline_svg(result)
+    assert "engine restart and resumption" in svg
+    assert "process_kill rank 1" in svg

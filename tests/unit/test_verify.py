@@ -307,3 +307,19 @@ def test_result_carries_the_evidence():
     assert data["verdict"] == "pass"
     assert data["faults"][0]["fired_at"] == {"request": 0, "token": FAULT_TOKEN,
                                              "step": FAULT_TOKEN}
+
+
+def test_result_carries_the_engine_settings_and_seeds_into_the_report(tmp_path):
+    from ftkit.report import read_json_report, write_json_report
+
+    scenario = Scenario.model_validate({
+        "name": "seeded", "engine": {"tensor_parallel_size": 2, "seed": 7},
+        "workload": {"prompts": ["a b", "c d"], "max_tokens": 8, "temperature": 0.7,
+                     "seed": 42},
+        "faults": []})
+    result = judge(scenario, output(BASELINE_TOKENS, generate_s=1.0))
+    assert result.engine["tensor_parallel_size"] == 2 and result.engine["seed"] == 7
+    assert result.sampling == {"max_tokens": 8, "temperature": 0.7, "top_p": 1.0, "seed": 42}
+    [written] = read_json_report(write_json_report([result], tmp_path / "r.json"))["scenarios"]
+    assert written["engine"]["seed"] == 7 and written["sampling"]["seed"] == 42
+    assert written["engine"]["model"] == "tiny"
