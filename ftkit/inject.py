@@ -186,10 +186,11 @@ class Injector:
                 self._fire(fault, step)
                 return
 
-    def on_recovered(self, rpc_kind: RpcKind, step: int, failures: int,
-                     recovery_s: float) -> None:
+    def on_recovered(self, rpc_kind: RpcKind, step: int, failures: int, recovery_s: float,
+                     *, rollback_s: float, rerun_s: float) -> None:
         self.events.emit("step_recovered", step=step, rpc_kind=rpc_kind.value,
-                         failures=failures, recovery_s=recovery_s)
+                         failures=failures, recovery_s=recovery_s, rollback_s=rollback_s,
+                         rerun_s=rerun_s)
 
     # --- hooks inside the step --------------------------------------------------------------
 

@@ -64,6 +64,9 @@ class FaultAware:
         self._step = 0
         self._shutdown = threading.Event()
         self._thread: threading.Thread | None = None
+        #: (epoch, ``time.time()``) of the last round for which the monitor stopped this
+        #: rank's step: when this rank learnt of a peer's fault (for the event log).
+        self.last_stop_request: tuple[int, float] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -140,6 +143,7 @@ class FaultAware:
                 return
             if self._in_step:
                 self._pending = epoch
+                self.last_stop_request = (epoch, time.time())
                 self._stop_communication()
                 self._cond.wait_for(lambda: self.epoch != epoch or self._shutdown.is_set(),
                                     MONITOR_WAKE_S)

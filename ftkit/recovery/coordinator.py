@@ -244,6 +244,18 @@ def trigger_key(epoch: int) -> str:
     return f"round/{epoch}/trigger"
 
 
+@dataclass
+class RoundTimes:
+    """Where one rank's part of its last round went, in seconds (for the event log)."""
+
+    #: From this rank's report until every rank's report had arrived.
+    statuses_s: float = 0.0
+    #: The rebuild (device, communicators, repairs), when the round decided to re-run.
+    rebuild_s: float = 0.0
+    #: After its own rebuild, waiting for every rank to finish theirs.
+    peers_done_s: float = 0.0
+
+
 class Coordinator:
     """Runs one rank's part of a recovery round over a side channel."""
 
@@ -254,6 +266,8 @@ class Coordinator:
         self.max_reinference = max_reinference
         self.round_timeout_s = round_timeout_s
         self._rebuild = rebuild
+        #: Timings of this rank's last round (rounds of one rank never overlap).
+        self.last_times = RoundTimes()
 
     def participate(self, channel: SideChannel, epoch: int, status: RankStatus) -> Decision:
         """Report, wait for every rank's report, decide, rebuild, and wait for all to finish.
@@ -261,6 +275,8 @@ class Coordinator:
         Every wait is bounded by ``round_timeout_s``; a rank that does not report in time
         makes the decision ``raise`` on the ranks that waited for it.
         """
+        times = self.last_times = RoundTimes()
+        started = time.monotonic()
         base = f"round/{epoch}"
         channel.set(f"{base}/status/{self.rank}", status.to_json())
         channel.set(trigger_key(epoch), str(self.rank))
@@ -269,13 +285,19 @@ class Coordinator:
             missing = [r for r, k in enumerate(keys) if not channel.has(k)]
             return Decision(Action.RAISE, f"rank(s) {missing} did not report within "
                             f"{self.round_timeout_s:g} s", (), (status,))
+        times.statuses_s = time.monotonic() - started
         statuses = [RankStatus.from_json(channel.get(k)) for k in keys]
         decision = decide(statuses, self.max_reinference)
         if decision.recompute:
+            rebuild_started = time.monotonic()
             self._rebuild(decision)
+            times.rebuild_s = time.monotonic() - rebuild_started
         channel.set(f"{base}/done/{self.rank}", decision.action.value)
         done = [f"{base}/done/{r}" for r in range(self.world_size)]
-        if not channel.wait(done, self.round_timeout_s):
+        done_started = time.monotonic()
+        arrived = channel.wait(done, self.round_timeout_s)
+        times.peers_done_s = time.monotonic() - done_started
+        if not arrived:
             return Decision(Action.RAISE, f"peers did not finish round {epoch} within "
                             f"{self.round_timeout_s:g} s", decision.kinds, decision.statuses)
         return decision

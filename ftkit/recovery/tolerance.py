@@ -45,8 +45,12 @@ class StepHook(Protocol):
     """Something that wants to see each attempt (the fault injector)."""
 
     def on_attempt(self, rpc_kind: RpcKind, step: int, attempt: int, payload: Any) -> None: ...
-    def on_recovered(self, rpc_kind: RpcKind, step: int, failures: int,
-                     recovery_s: float) -> None: ...
+    def on_recovered(self, rpc_kind: RpcKind, step: int, failures: int, recovery_s: float,
+                     *, rollback_s: float, rerun_s: float) -> None:
+        """A step recovered: ``recovery_s`` from its first failure until the successful
+        attempt returned; of that, ``rollback_s`` restored the last record and ``rerun_s``
+        ran from the end of that rollback until the re-run returned (lost KV recomputed
+        first, if any)."""
 
 
 class FaultTolerance:
@@ -87,7 +91,7 @@ class FaultTolerance:
              rollback: Callable[[Any], None]) -> Any:
         self.rpc += 1
         failures = 0
-        first_failure = 0.0
+        first_failure = rollback_s = rerun_from = 0.0
         while True:
             epoch = self.aware.enter_step(self.rpc, rpc_kind, self.step, self.gate_timeout_s)
             if rpc_kind is RpcKind.EXECUTE and epoch != self._layout_epoch:
@@ -119,16 +123,20 @@ class FaultTolerance:
                 log.warning("ftkit: rank %d step %d (%s) re-inference %d after %s: %s",
                             self.rank, self.step, rpc_kind.value, failures,
                             type(exc).__name__, exc)
+                rollback_started = time.monotonic()
                 rollback(record)
+                rerun_from = time.monotonic()
+                rollback_s = rerun_from - rollback_started
                 continue
             joined = self.aware.exit_step_ok()
             if joined is not None and not joined.recompute:
                 raise RecoveryError(f"ftkit: step {self.step}: a peer's fault could not be "
                                     f"recovered: {joined.reason}")
             if failures:
-                elapsed = time.monotonic() - first_failure
+                done = time.monotonic()
                 for hook in self.hooks:
-                    hook.on_recovered(rpc_kind, self.step, failures, elapsed)
+                    hook.on_recovered(rpc_kind, self.step, failures, done - first_failure,
+                                      rollback_s=rollback_s, rerun_s=done - rerun_from)
             return out
 
     def _status(self, rpc_kind: RpcKind, failures: int, exc: BaseException) -> RankStatus:

@@ -337,7 +337,8 @@ class Rig:
     def on_attempt(self, rpc_kind: Any, step: int, attempt: int, payload: Any) -> None:
         self.current = (rpc_kind.value, step, attempt)
 
-    def on_recovered(self, rpc_kind: Any, step: int, failures: int, recovery_s: float) -> None:
+    def on_recovered(self, rpc_kind: Any, step: int, failures: int, recovery_s: float,
+                     **_times: float) -> None:
         self.record["recovered"].append({"rpc": rpc_kind.value, "step": step,
                                          "failures": failures, "recovery_s": recovery_s})
 
