@@ -93,6 +93,7 @@ class MemoryTargets(Protocol):
     def block_region(self, block_id: int, layer: int = 0) -> tuple[torch.Tensor, Any]: ...
     def param_region(self, name: str) -> tuple[torch.Tensor, Any]: ...
     def default_uce_parameter(self) -> str: ...
+    def parameter_names(self) -> list[str]: ...
     def activation_region(self) -> tuple[torch.Tensor, Any]: ...
 
 
@@ -170,7 +171,16 @@ class Injector:
             raise InjectionError(f"{fault.kind} cannot be injected here: no map of the "
                                  "runner's memory")
         if fault.kind is FaultKind.PROCESS_KILL and self._kill_target is None:
-            raise InjectionError("process_kill cannot be injected here: no process to kill")
+            raise InjectionError("process_kill cannot be injected here: the engine core runs "
+                                 "in the caller's process (an in-process engine); start the "
+                                 "engine with its core in a process of its own")
+        if (fault.kind is FaultKind.UCE and fault.params.region == "weights"
+                and fault.params.parameter is not None and self._memory is not None):
+            known = self._memory.parameter_names()
+            if fault.params.parameter not in known:
+                raise InjectionError(
+                    f"uce: the model has no parameter {fault.params.parameter!r} that holds "
+                    f"its data here; known: {', '.join(sorted(known))}")
 
     # --- StepHook ---------------------------------------------------------------------------
 

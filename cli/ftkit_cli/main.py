@@ -133,10 +133,11 @@ def run_command(ctx: click.Context, paths: tuple[str, ...], json_path: Path | No
                 pattern: str | None, verbose: bool) -> None:
     """Run scenarios and compare every token with a fault-free run.
 
-    FILE_OR_DIR may be a scenario file, a directory of them or a glob.
+    FILE_OR_DIR may be a scenario file, a directory of them or a glob. Scenarios that need
+    alike engines run one after the other and share the engine.
     """
     err, out = _stderr(), _stdout()
-    scenarios = _select(_load_all(list(paths), err), pattern, err)
+    scenarios = _grouped_by_engine(_select(_load_all(list(paths), err), pattern, err))
     results: list[ScenarioResult] = []
     skipped: list[SkippedScenario] = []
     interrupted = False
@@ -165,6 +166,21 @@ def run_command(ctx: click.Context, paths: tuple[str, ...], json_path: Path | No
     if interrupted:
         err.print("interrupted", style="bold red")
     ctx.exit(code)
+
+
+def _grouped_by_engine(scenarios: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The scenarios with those that need alike engines next to each other (groups in order
+    of first appearance, file order within a group): they then share one engine."""
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    for item in scenarios:
+        groups.setdefault(_engine_group(item[1]), []).append(item)
+    return [item for group in groups.values() for item in group]
+
+
+def _engine_group(scenario: Any) -> str:
+    kills = any(str(f.kind) == "process_kill" for f in scenario.faults)
+    return json.dumps([scenario.engine_key(), scenario.recovery.enabled, kills],
+                      sort_keys=True, default=str)
 
 
 def _unrun(scenarios: Sequence[tuple[str, Any]], done: int, reason: str

@@ -116,6 +116,9 @@ class RunnerMemory:
         return {name: p for name, p in self.runner.get_model().named_parameters()
                 if p.numel() > 0}
 
+    def parameter_names(self) -> list[str]:
+        return list(self.parameters())
+
     def param_of(self, address: int) -> str | None:
         for name, p in self.parameters().items():
             start = p.data_ptr()

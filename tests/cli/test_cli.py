@@ -205,6 +205,20 @@ def test_run_exit_code_follows_the_verdicts(tmp_path, fake_runner, verdicts, cod
     assert result.exit_code == code, result.output
 
 
+def test_run_groups_scenarios_that_need_alike_engines(tmp_path, fake_runner):
+    """Scenarios run next to those that need the same engine, so that they share it: group
+    order by first appearance, file order within a group."""
+    calls = fake_runner({n: Verdict.PASS for n in ("a2", "b1", "c2", "d1", "e2")})
+    paths = write_scenarios(tmp_path, "a2", "b1", "c2", "d1", "e2")
+    for path in paths[1::2]:  # b1 and d1 at tensor parallel 1
+        Path(path).write_text(Path(path).read_text().replace(
+            "tensor_parallel_size: 2", "tensor_parallel_size: 1").replace(
+            "kind: link_break", "kind: oom"))
+    result = invoke("run", *paths)
+    assert result.exit_code == 0, result.output
+    assert calls == ["a2", "c2", "e2", "b1", "d1"]
+
+
 def test_run_renders_the_verdict_table(tmp_path, fake_runner):
     """Table rendering only, with a fake runner: the real run is covered by the
     integration tests elsewhere."""

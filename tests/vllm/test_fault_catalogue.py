@@ -195,3 +195,11 @@ def test_seeded_compound_faults_at_tensor_parallel_2(tp2_engine, baseline):
     assert run.error is None
     assert sorted(e["index"] for e in run.fired) == [0, 1, 1, 2, 3, 4, 4]
     assert run.tokens == baseline.tokens["seeded"]
+
+
+def test_a_parameter_that_holds_no_data_is_refused_when_planned(tp1_engine):
+    # vLLM's CPU linear layers keep their weights packed elsewhere: no address to hit.
+    bad = fault("uce", 0, 0, 5, "forward", region="weights",
+                parameter="model.layers.0.self_attn.qkv_proj.weight")
+    with pytest.raises(Exception, match="no parameter 'model.layers.0.self_attn.qkv_proj"):
+        tp1_engine.set_fault_plan(tp1_engine.new_run_id(), [bad])
