@@ -213,7 +213,7 @@ def test_run_groups_scenarios_that_need_alike_engines(tmp_path, fake_runner):
     for path in paths[1::2]:  # b1 and d1 at tensor parallel 1
         Path(path).write_text(Path(path).read_text().replace(
             "tensor_parallel_size: 2", "tensor_parallel_size: 1").replace(
-            "kind: link_break", "kind: oom"))
+            "kind: link_break", "kind: oom").replace("rank: 1", "rank: 0"))
     result = invoke("run", *paths)
     assert result.exit_code == 0, result.output
     assert calls == ["a2", "c2", "e2", "b1", "d1"]
