@@ -73,36 +73,37 @@ IMPLEMENTED_KINDS = frozenset(k for k, info in KINDS.items() if info.implemented
 # --- the errors the CPU backend raises, modelled on torch_npu's -----------------------------
 
 class SimulatedFault(RuntimeError):
-    """Base of the errors ftkit's CPU backend raises to model a device or network fault."""
+    """Base of the errors ftkit's CPU backend raises to model a device or network fault.
+
+    The message starts with the text torch_npu raises for the same fault (``text``), so that
+    the error is classified alike by its type and by its text."""
 
     kind: FaultKind
+    text: str = ""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"{self.text}{detail}")
 
 
 class LinkError(SimulatedFault):
     """A collective's link is down: what HCCL reports as a remote error."""
 
     kind = FaultKind.LINK_BREAK
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(f"SUSPECT REMOTE ERROR: {detail}")
+    text = "SUSPECT REMOTE ERROR: "
 
 
 class ForceStopError(SimulatedFault):
     """The device was force-stopped (``stop_device``, a reset): what torch_npu raises."""
 
     kind = FaultKind.DEVICE_RESET
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(f"FORCE STOP. {detail}")
+    text = "FORCE STOP. "
 
 
 class UceError(SimulatedFault):
     """An uncorrectable memory error: the device reports its address separately."""
 
     kind = FaultKind.UCE
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(f"UCE ERROR. {detail}")
+    text = "UCE ERROR. "
 
 
 class OperatorTimeout(SimulatedFault):

@@ -18,7 +18,6 @@ this right for whichever sampling path the platform uses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +31,8 @@ def fast_forward(runner: Any, done: dict[str, Any]) -> list[str]:
     (a re-run of the resumed request's first step creates a new one). Returns the ids
     advanced now."""
     batch = runner.input_batch
+    for req_id in [r for r in done if r not in runner.requests]:
+        del done[req_id]  # finished: its generator is gone
     advanced = []
     for index, req_id in enumerate(batch.req_ids):
         gen = batch.generators.get(index)
@@ -58,16 +59,3 @@ def _replay_draws(runner: Any, gen: torch.Generator, tokens: int) -> None:
             sampler(logits.clone(), {0: gen}, None, None)
     finally:
         torch.set_rng_state(saved)
-
-
-@dataclass
-class ResumePoint:
-    """Where one request stands when its engine died (host side)."""
-
-    index: int
-    prompt_token_ids: list[int] | None
-    produced: list[int] = field(default_factory=list)
-
-    def resumed_prompt(self) -> list[int]:
-        assert self.prompt_token_ids is not None
-        return list(self.prompt_token_ids) + list(self.produced)
