@@ -205,3 +205,62 @@ def test_rank_status_next_rpc():
     assert stopped(0, 5).next_rpc == 5
     assert idle(0, 5).next_rpc == 6 and not idle(0, 5).reruns
     assert completed(0, 5).next_rpc == 6
+
+
+# --- repairs: what every rank rebuilds, what a rank cannot repair ---------------------------
+
+def test_lost_kv_is_the_union_of_every_ranks_report():
+    import dataclasses
+
+    a = dataclasses.replace(failed(0, 4, "uce"), kv_lost=(7, 3))
+    b = dataclasses.replace(failed(1, 4, "uce"), kv_lost=(3, 9))
+    decision = decide([a, b], max_reinference=3)
+    assert decision.recompute
+    assert decision.kv_lost == (3, 7, 9) and not decision.kv_lost_all
+    reset = dataclasses.replace(failed(1, 4, "device_reset"), kv_lost_all=True)
+    assert decide([stopped(0, 4), reset], 3).kv_lost_all
+
+
+def test_an_unrepairable_fault_makes_the_round_raise_with_why():
+    import dataclasses
+
+    hit = dataclasses.replace(failed(1, 4, "uce"), unrecoverable="no address for the error")
+    decision = decide([stopped(0, 4), hit], 3)
+    assert decision.action is Action.RAISE
+    assert decision.reason == "rank 1: uce cannot be repaired: no address for the error"
+
+
+def test_status_with_repairs_survives_the_side_channel():
+    import dataclasses
+
+    status = dataclasses.replace(failed(1, 4, "uce"), kv_lost=(2, 5),
+                                 reload_params=("model.norm.weight",))
+    assert RankStatus.from_json(status.to_json()) == status
+
+
+def test_handlers_say_what_each_kind_destroyed():
+    from ftkit.backends.base import MemoryFault
+    from ftkit.faults import FaultKind
+    from ftkit.recovery.handlers import Repair, assess
+
+    class Device:
+        def __init__(self, faults):
+            self.faults = faults
+
+        def memory_faults(self):
+            return self.faults
+
+    class Memory:
+        def classify(self, faults):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(kv_blocks={f.address for f in faults if f.address < 100},
+                                   params={"w"} if any(f.address >= 100 for f in faults)
+                                   else set(), other=0)
+
+    none = Device([])
+    assert assess(FaultKind.DEVICE_RESET, none, Memory()) == Repair(kv_lost_all=True)
+    assert assess(FaultKind.LINK_BREAK, none, Memory()) == Repair()
+    assert assess(FaultKind.UCE, Device([MemoryFault(5, 8), MemoryFault(200, 8)]),
+                  Memory()) == Repair(kv_lost=(5,), reload_params=("w",))
+    assert "no address" in assess(FaultKind.UCE, none, Memory()).unrecoverable
