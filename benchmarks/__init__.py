@@ -1,0 +1,1 @@
+"""ftkit's benchmark suite: ``make bench`` (``python -m benchmarks``); see ``__main__``."""
