@@ -15,22 +15,18 @@ suite and ``RESULTS.md`` (all tables) in ``benchmarks/results/`` (``results/quic
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import subprocess
 import sys
 import time
 
 from benchmarks import report
-from benchmarks.common import REPO, RESULTS_DIR
+from benchmarks.common import REPO, RESULTS_DIR, end_session
 
 #: Suites in the order they run, with the bound on each (seconds; full mode).
 SUITES = {"snapshot": 600, "overhead": 1200, "recovery": 1500, "library": 2700}
 #: Suites that ``--quick`` leaves out unless named in ``--only`` (the library runs every
 #: scenario twice, whatever the mode).
 FULL_ONLY = {"library"}
-#: After a suite's bound: how long it may take to close its engines after SIGTERM.
-TERM_GRACE_S = 30
 
 
 def run_suite(name: str, quick: bool, out_dir: str) -> int:
@@ -44,24 +40,13 @@ def run_suite(name: str, quick: bool, out_dir: str) -> int:
         rc = proc.wait(timeout=SUITES[name])
     except subprocess.TimeoutExpired:
         print(f"{name}: ran past {SUITES[name]} s; ending it", flush=True)
-        _end(proc)
+        end_session(proc)
         rc = 124
     except KeyboardInterrupt:
-        _end(proc)
+        end_session(proc)
         raise
     print(f"== {name}: exit {rc} after {time.monotonic() - started:.0f} s", flush=True)
     return rc
-
-
-def _end(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=TERM_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=TERM_GRACE_S)
-    except ProcessLookupError:
-        pass
 
 
 def main(argv: list[str]) -> int:

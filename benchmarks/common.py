@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 SETTLE_S = 1.2
 #: The additional_config key of the benchmark-only legacy-cost plugin (benchmarks/legacy_plugin).
 LEGACY_KEY = "ftkit_bench_legacy"
+#: How long a program ended by ``end_session`` may take to close its engines after SIGTERM.
+TERM_GRACE_S = 30.0
 
 
 def tiny_model() -> str:
@@ -53,6 +56,19 @@ def open_sessions(sessions: dict[str, EngineSession]) -> Iterator[dict[str, Engi
     finally:
         for session in sessions.values():
             session.close()
+
+
+def end_session(proc: subprocess.Popen[Any]) -> None:
+    """End a program started with ``start_new_session=True`` and every process of its session:
+    SIGTERM (it closes its engines), SIGKILL after ``TERM_GRACE_S``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=TERM_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=TERM_GRACE_S)
+    except ProcessLookupError:
+        pass
 
 
 def legacy_plugin_installed() -> bool:

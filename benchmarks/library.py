@@ -21,7 +21,6 @@ import json
 import os
 import re
 import selectors
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,13 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO
+from benchmarks.common import REPO, TERM_GRACE_S, end_session
 from benchmarks.stats import markdown_table
 
 #: Bound on one run of the whole library.
 RUN_TIMEOUT_S = 2400.0
-#: After a timeout: how long the command may take to close its engines after SIGTERM.
-TERM_GRACE_S = 30.0
 _STARTED = re.compile(r"engine started in ([0-9.]+) s")
 
 
@@ -101,20 +98,8 @@ def _run_stamped(cmd: list[str], env: dict[str, str]) -> tuple[list[tuple[float,
     finally:
         sel.close()
         if proc.poll() is None:
-            _end(proc)
+            end_session(proc)
     return lines, started, rc
-
-
-def _end(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM the command's session (it closes its engines), SIGKILL it after the grace."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=TERM_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=TERM_GRACE_S)
-    except ProcessLookupError:
-        pass
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -29,7 +29,11 @@ _MARK = "__ftkit_bench_legacy_wrapped__"
 
 
 def register() -> None:
-    """vLLM general plugin entry point: idempotent, in every vLLM process."""
+    """vLLM general plugin entry point: idempotent, in every vLLM process.
+
+    The same hook as ftkit's own plugin (``ftkit.vllm.plugin.register``), written out here on
+    purpose: this package must not depend on ftkit's internals, which it is measured against.
+    """
     from vllm.v1.worker import worker_base
 
     original = worker_base.WorkerBase.__init__
