@@ -21,7 +21,9 @@ A process kill takes no part in a round: its row is the engine session's restart
 kill (``fault_fired``) to the requests resumed on a new engine (``GenerateResult.restarts``):
 ``death seen`` when the session's death watch handed the death to the front end (timed around
 ``EngineSession._unblock_front_end``), ``detect`` when the session began the restart, ``close``
-and ``start`` of the engines (timed around ``EngineSession.close`` / ``start``), ``resume``
+the shut-down of the dead engine's front end (``EngineSession._shut_down``; its processes,
+already killed, are waited for after the new engine is up) and ``start`` of the new engine
+(``EngineSession.start``), ``resume``
 (faults planned again, requests resubmitted), ``first token`` the new engine's first token
 after that; ``death to resumed`` is the figure the target speaks of.
 
@@ -195,7 +197,7 @@ def measure_process_kill(session: EngineSession, journal: str, fresh: Any,
     reference = _tokens(fresh)
     first_start = session.start_s
     session.start = _timed(session.start, starts)  # type: ignore[method-assign]
-    session.close = _timed(session.close, closes)  # type: ignore[method-assign]
+    session._shut_down = _timed(session._shut_down, closes)  # type: ignore[method-assign]
     # The session's death watch hands the death to the front end through this method.
     session._unblock_front_end = _stamped(  # type: ignore[method-assign]
         session._unblock_front_end, noticed)
