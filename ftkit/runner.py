@@ -69,9 +69,14 @@ class ScenarioRunner:
         self.close()
 
     def close(self) -> None:
+        """Close every engine host, side by side: each engine's shut-down takes seconds (vLLM
+        waits for its processes), and the hosts need not take turns."""
         hosts, self._hosts = list(self._hosts.values()), {}
         for host in hosts:
-            host.close()
+            host.ask_exit()
+        deadline = time.monotonic() + HOST_EXIT_GRACE_S
+        for host in hosts:
+            host.close(deadline=deadline)
 
     def run(self, scenario: Any, *, file: str,
             on_event: EventSink = ignore_events) -> ScenarioResult:
@@ -253,12 +258,14 @@ class _Host:
         #: Every process seen below the host, by (pid, start time): one that the host left
         #: behind is reparented away from it, and is still found and killed by its pid.
         self._descendants: set[tuple[int, float]] = set()
+        self._asked_exit = False
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def _start(self) -> None:
+        self._asked_exit = False
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "a") as log:
@@ -326,17 +333,31 @@ class _Host:
         self._note_descendants()
         return True
 
-    def close(self) -> None:
-        """Ask the host to exit, then make sure nothing it started survives."""
+    def ask_exit(self) -> None:
+        """Tell the host to close its engine and exit (``close`` waits for it)."""
         proc = self.proc
-        if proc is None:
+        if proc is None or self._asked_exit:
             return
+        self._asked_exit = True
         try:
             if proc.poll() is None and proc.stdin is not None:
                 proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 proc.stdin.flush()
-                proc.wait(timeout=HOST_EXIT_GRACE_S)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
+        except (OSError, ValueError):
+            pass
+
+    def close(self, deadline: float | None = None) -> None:
+        """Ask the host to exit, wait for it until ``deadline`` (``HOST_EXIT_GRACE_S`` from
+        now by default), then make sure nothing it started survives."""
+        proc = self.proc
+        if proc is None:
+            return
+        if deadline is None:
+            deadline = time.monotonic() + HOST_EXIT_GRACE_S
+        try:
+            self.ask_exit()
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             pass
         finally:
             # On a clean exit this reaps stragglers; on a timeout, Ctrl-C or any failure it
