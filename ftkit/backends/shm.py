@@ -79,6 +79,8 @@ class ShmGroup:
         self._fence = threading.Lock()
         self._views: dict[tuple, torch.Tensor] = {}
         self.seq = 0
+        self._peers = [r for r in range(world) if r != rank]
+        self._all = list(range(world))
 
     def fits(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() * tensor.element_size() <= SLOT_BYTES
@@ -103,7 +105,10 @@ class ShmGroup:
         spins = 0
         deadline = None
         while True:
-            if all(seqs[r] >= target for r in ranks):
+            for r in ranks:
+                if seqs[r] < target:
+                    break
+            else:
                 return
             if self._stopped():
                 raise CommunicationStopped(f"rank {self.rank}: shared-memory collective "
@@ -120,8 +125,7 @@ class ShmGroup:
 
     def _publish(self, tensor: torch.Tensor) -> int:
         seq = self.seq + 1
-        peers = [r for r in range(self.world) if r != self.rank]
-        self._wait(seq - 1, peers)  # every peer is done reading this slot's last use
+        self._wait(seq - 1, self._peers)  # every peer is done reading this slot's last use
         self._slot(self.rank, seq, tensor).copy_(tensor)
         with self._fence:  # data before sequence number
             pass
@@ -133,7 +137,11 @@ class ShmGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         seq = self._publish(tensor)
-        self._wait(seq, range(self.world))
+        self._wait(seq, self._all)
+        if self.world == 2 and tensor.dtype not in (torch.float16, torch.bfloat16):
+            # One kernel; operands in rank order, so every rank computes the same bits.
+            torch.add(self._slot(0, seq, tensor), self._slot(1, seq, tensor), out=tensor)
+            return
         acc_dtype = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
         acc = self._slot(0, seq, tensor).to(dtype=acc_dtype or tensor.dtype, copy=True)
         for r in range(1, self.world):
@@ -144,13 +152,13 @@ class ShmGroup:
         seq = self._publish(tensor)
         if self.rank != dst:
             return
-        self._wait(seq, range(self.world))
+        self._wait(seq, self._all)
         for r in range(self.world):
             gather_list[r].copy_(self._slot(r, seq, tensor))
 
     def all_gather_into_tensor(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         seq = self._publish(input_)
-        self._wait(seq, range(self.world))
+        self._wait(seq, self._all)
         chunks = output.view(self.world, -1)
         for r in range(self.world):
             chunks[r].copy_(self._slot(r, seq, input_).reshape(-1))

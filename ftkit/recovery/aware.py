@@ -86,7 +86,8 @@ class FaultAware:
 
         Returns the number of recovery rounds this rank has completed (its epoch)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._owner != "monitor", timeout_s):
+            if self._owner == "monitor" and \
+                    not self._cond.wait_for(lambda: self._owner != "monitor", timeout_s):
                 raise RecoveryError(f"recovery round {self.epoch} did not finish within "
                                     f"{timeout_s:g} s")
             if self._failed is not None:

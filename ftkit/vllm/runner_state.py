@@ -190,10 +190,11 @@ class V1RunnerState:
             state = runner.execute_model_state
             if state is not None and getattr(state, "logits", None) is not None:
                 record.logits = state.logits.clone()
-        for index, req_id in enumerate(batch.req_ids):
-            state = runner.requests[req_id]
-            record.tokens[req_id] = (len(state.output_token_ids),
-                                     int(batch.num_tokens_no_spec[index]))
+        req_ids = batch.req_ids
+        requests = runner.requests
+        num_tokens = batch.num_tokens_no_spec[:len(req_ids)].tolist()
+        record.tokens = {req_id: (len(requests[req_id].output_token_ids), num_tokens[index])
+                         for index, req_id in enumerate(req_ids)}
         return record
 
     def rollback_sample(self, record: SampleRecord) -> None:
