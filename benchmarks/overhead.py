@@ -16,6 +16,7 @@ size its tables for the longer context).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -109,7 +110,71 @@ def run(quick: bool = False) -> dict[str, Any]:
                            "installs benchmarks/legacy_plugin into .venv)")
     plan = QUICK if quick else Plan()
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    return {"plan": asdict(plan), "results": [measure_tp(tp, plan) for tp in plan.tps]}
+    return {"plan": asdict(plan), "results": [measure_tp(tp, plan) for tp in plan.tps],
+            "own_time": measure_own_time(plan)}
+
+
+# --- ftkit's own time per step, measured where it is spent ---------------------------------------
+
+class OwnTime:
+    """Wraps one worker's ``FaultTolerance.execute_model`` / ``sample_tokens`` (on that
+    instance): the whole call and the model runner's call inside it are timed
+    (``perf_counter_ns``); ftkit's own time is the difference."""
+
+    def __init__(self, tolerance: Any) -> None:
+        self.samples: list[tuple[int, int]] = []  # (whole ns, runner ns) per RPC
+        for name in ("execute_model", "sample_tokens"):
+            setattr(tolerance, name, self._wrap(getattr(tolerance, name)))
+
+    def _wrap(self, method: Any) -> Any:
+        def timed(call: Any, arg: Any) -> Any:
+            inner = [0]
+
+            def runner_call(a: Any) -> Any:
+                started = time.perf_counter_ns()
+                try:
+                    return call(a)
+                finally:
+                    inner[0] += time.perf_counter_ns() - started
+
+            started = time.perf_counter_ns()
+            out = method(runner_call, arg)
+            self.samples.append((time.perf_counter_ns() - started, inner[0]))
+            return out
+        return timed
+
+    def take(self) -> list[tuple[int, int]]:
+        samples, self.samples = self.samples, []
+        return samples
+
+
+def measure_own_time(plan: Plan) -> dict[str, Any]:
+    """At tensor parallel 1, in process (the worker lives here): per step (an execute and a
+    sample RPC), the runner's time and ftkit's own time around it, for each batch size."""
+    from benchmarks.common import worker_of
+
+    spec = EngineSpec(model=tiny_model(), max_model_len=plan.max_model_len,
+                      args={"max_num_seqs": plan.max_num_seqs})
+    session = EngineSession(spec, multiprocess=False, recovery={"enabled": True})
+    sampling = SamplingSpec(max_tokens=plan.max_tokens)
+    rows = []
+    with open_sessions({"ftkit": session}):
+        session.generate(prompts(2), sampling)  # builds the recovery engine at its first step
+        probe = OwnTime(worker_of(session)._ftkit.tolerance)
+        for batch in plan.batches:
+            steps: list[tuple[float, float]] = []
+            for _ in range(plan.repeats):
+                _check("ftkit", session.generate(prompts(batch), sampling))
+                samples = probe.take()
+                # Pairs of RPCs: (execute, sample) of one step.
+                for ex, sa in zip(samples[0::2], samples[1::2]):
+                    runner_ns = ex[1] + sa[1]
+                    steps.append((runner_ns / 1000, (ex[0] + sa[0] - runner_ns) / 1000))
+            rows.append({"batch": batch, "steps": len(steps),
+                         "runner_us": summarize(r for r, _ in steps).to_dict(),
+                         "ftkit_us": summarize(f for _, f in steps).to_dict(),
+                         "share": summarize(f / r for r, f in steps if r > 0).to_dict()})
+    return {"tp": 1, "rows": rows}
 
 
 # --- the table ----------------------------------------------------------------------------------
@@ -126,6 +191,18 @@ def table(result: dict[str, Any]) -> str:
                          "yes" if all(row.identical.values()) else "NO"])
     return markdown_table(["TP", "batch", "off tok/s", "ftkit tok/s", "legacy tok/s",
                            "ftkit/off", "legacy/off", "tokens identical"], rows)
+
+
+def own_time_table(result: dict[str, Any]) -> str:
+    rows = []
+    for row in result["own_time"]["rows"]:
+        share = Summary.from_dict(row["share"])
+        rows.append([result["own_time"]["tp"], row["batch"], row["steps"],
+                     fmt_summary(Summary.from_dict(row["runner_us"]), 0),
+                     fmt_summary(Summary.from_dict(row["ftkit_us"]), 1),
+                     f"{share.median * 100:.2f} % ({share.low * 100:.2f}-{share.high * 100:.2f})"])
+    return markdown_table(["TP", "batch", "steps", "runner us/step", "ftkit us/step",
+                           "ftkit / runner"], rows)
 
 
 def legacy_note(result: dict[str, Any]) -> str:

@@ -70,10 +70,17 @@ def _intro(results: dict[str, dict[str, Any]]) -> str:
     loads = [f"{name} {r['machine']['load_avg_1m']:.1f} to {r['load_avg_1m_after']:.1f}"
              for name, r in results.items()]
     quick = " (`--quick`: few repeats, not for comparison)" if first.get("quick") else ""
+    commits = {name: r["machine"]["commit"] for name, r in results.items()}
+    if len(set(commits.values())) == 1:
+        commit = f"commit {m['commit']}, {m['when']}"
+    else:
+        commit = "commits " + ", ".join(
+            f"{r['machine']['commit']} ({name}, {r['machine']['when']})"
+            for name, r in results.items())
     return (f"`make bench` (`python -m benchmarks`, about 25 minutes; `--quick` for a smoke "
             f"run) measures on real vLLM engines and writes `benchmarks/results/` (JSON per "
             f"suite, `RESULTS.md`). These figures{quick}: {m['cpus']} CPU cores, vLLM "
-            f"{m['vllm']}, torch {m['torch']}, commit {m['commit']}, {m['when']}; every cell is "
+            f"{m['vllm']}, torch {m['torch']}, {commit}; every cell is "
             f"the median with the range (min-max) of its repeats. One-minute load average "
             f"during each suite: {'; '.join(loads)} (above {m['cpus']} means something else "
             f"shared the cores).")
@@ -95,7 +102,26 @@ def _overhead(result: dict[str, Any]) -> str:
         inside = ratio.low <= 1.0 <= ratio.high
         reading.append(
             f"TP {tp}, batch {b}: {ratio.median:.3f}, range {ratio.low:.3f}-{ratio.high:.3f}"
-            + (" (1.0 lies inside the range: not a measurable cost)." if inside else "."))
+            + (" (1.0 lies inside the range)." if inside else "."))
+    spreads = [row.ratio("ftkit").high - row.ratio("ftkit").low for _, _, row in rows]
+    reading.append(
+        f"Resolution: within one row the per-repeat ratios of the same two engines spread by "
+        f"{min(spreads):.2f} to {max(spreads):.2f} (max - min), so an end-to-end cost of a few "
+        f"per cent is below what these repeats resolve on this machine. At TP 2 the `ftkit` "
+        f"engine also runs its own interruptible shared-memory collectives in place of vLLM's.")
+    own = result.get("own_time")
+    if own and own["rows"]:
+        parts = []
+        for r in own["rows"]:
+            share = r["share"]["median"] * 100
+            parts.append(f"batch {r['batch']}: {r['ftkit_us']['median']:.1f} us of "
+                         f"{r['runner_us']['median']:.0f} us ({share:.2f} %)")
+        reading.append(
+            "Measured where it is spent instead (second table: TP 1, in process, the whole "
+            "wrapped step timed around the model runner's calls, every decode step of the same "
+            "workload): ftkit adds per step " + "; ".join(parts) + ". This time depends on the "
+            "requests a step schedules, not on the model: on a real model, whose step takes "
+            "tens of milliseconds, the same microseconds are a far smaller share.")
     reading.append(f"The earlier design's per-step costs keep {legacy.median:.2f} of the "
                    f"plain engine's tokens per second (rows range {legacy.low:.2f}-"
                    f"{legacy.high:.2f}): {overhead.legacy_note(result)}.")
@@ -108,7 +134,9 @@ def _overhead(result: dict[str, Any]) -> str:
             f"with max_num_seqs {plan['max_num_seqs']} and max_model_len "
             f"{plan['max_model_len']} (the token-id table is 32 MiB), {plan['repeats']} "
             f"repeats in rotating order; ratios are per repeat.\n\n"
-            f"{overhead.table(result)}\n\n" + "\n".join(f"- {r}" for r in reading))
+            f"{overhead.table(result)}\n\n"
+            + (f"{overhead.own_time_table(result)}\n\n" if result.get("own_time") else "")
+            + "\n".join(f"- {r}" for r in reading))
 
 
 # --- snapshot -------------------------------------------------------------------------------------
