@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.common import LEGACY_KEY, legacy_plugin_installed, open_sessions, prompts, settle
-from benchmarks.common import tiny_model
+from benchmarks.common import tiny_model, worker_of
 from benchmarks.stats import Summary, fmt_summary, markdown_table, paired_ratios, rotations
 from benchmarks.stats import summarize
 from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec
@@ -151,8 +151,6 @@ class OwnTime:
 def measure_own_time(plan: Plan) -> dict[str, Any]:
     """At tensor parallel 1, in process (the worker lives here): per step (an execute and a
     sample RPC), the runner's time and ftkit's own time around it, for each batch size."""
-    from benchmarks.common import worker_of
-
     spec = EngineSpec(model=tiny_model(), max_model_len=plan.max_model_len,
                       args={"max_num_seqs": plan.max_num_seqs})
     session = EngineSession(spec, multiprocess=False, recovery={"enabled": True})

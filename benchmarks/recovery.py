@@ -25,7 +25,8 @@ the shut-down of the dead engine's front end (``EngineSession._shut_down``; its 
 already killed, are waited for after the new engine is up) and ``start`` of the new engine
 (``EngineSession.start``), ``resume``
 (faults planned again, requests resubmitted), ``first token`` the new engine's first token
-after that; ``death to resumed`` is the figure the target speaks of.
+after that; ``death to resumed`` from the session's restart to the requests resumed, and
+``total`` from the kill; the target's margin is ``total`` less ``start``.
 
 Every workload's tokens are compared with a fault-free run of it on the same engine.
 """

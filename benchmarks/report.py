@@ -70,8 +70,7 @@ def _intro(results: dict[str, dict[str, Any]]) -> str:
     loads = [f"{name} {r['machine']['load_avg_1m']:.1f} to {r['load_avg_1m_after']:.1f}"
              for name, r in results.items()]
     quick = " (`--quick`: few repeats, not for comparison)" if first.get("quick") else ""
-    commits = {name: r["machine"]["commit"] for name, r in results.items()}
-    if len(set(commits.values())) == 1:
+    if len({r["machine"]["commit"] for r in results.values()}) == 1:
         commit = f"commit {m['commit']}, {m['when']}"
     else:
         commit = "commits " + ", ".join(

@@ -138,15 +138,17 @@ class ShmGroup:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         seq = self._publish(tensor)
         self._wait(seq, self._all)
-        if self.world == 2 and tensor.dtype not in (torch.float16, torch.bfloat16):
-            # One kernel; operands in rank order, so every rank computes the same bits.
+        # The contributions are summed in rank order, so every rank computes the same bits.
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            acc = self._slot(0, seq, tensor).to(dtype=torch.float32)
+            for r in range(1, self.world):
+                acc += self._slot(r, seq, tensor)
+            tensor.copy_(acc)
+        elif self.world > 1:
+            # Straight into the output: one kernel for the first two, in place for the rest.
             torch.add(self._slot(0, seq, tensor), self._slot(1, seq, tensor), out=tensor)
-            return
-        acc_dtype = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
-        acc = self._slot(0, seq, tensor).to(dtype=acc_dtype or tensor.dtype, copy=True)
-        for r in range(1, self.world):
-            acc += self._slot(r, seq, tensor)
-        tensor.copy_(acc)
+            for r in range(2, self.world):
+                tensor.add_(self._slot(r, seq, tensor))
 
     def gather(self, tensor: torch.Tensor, gather_list, dst: int) -> None:
         seq = self._publish(tensor)

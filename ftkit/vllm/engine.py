@@ -539,11 +539,7 @@ def reap_processes(procs: list[psutil.Process], grace_s: float) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    kill_processes_now(alive)
     psutil.wait_procs(alive, timeout=grace_s)
     return [p.pid for p in alive]
 
