@@ -99,7 +99,7 @@ def measure_tp(tp: int, plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any
     journal = tempfile.mkdtemp(prefix="ftkit-bench-journal-")
     session = EngineSession(EngineSpec(model=tiny_model(), tensor_parallel_size=tp),
                             multiprocess=True,
-                            recovery={"enabled": True, "journal_dir": journal})
+                            recovery={"enabled": True, "event_log_dir": journal})
     workload = prompts(WORKLOAD_REQUESTS)
     with open_sessions({"ftkit": session}):
         fresh = session.generate(workload, SAMPLING)  # the reference, on a new engine

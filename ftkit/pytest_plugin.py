@@ -473,7 +473,7 @@ class FaultInjector:
         self.engine.set_fault_plan(run_id, [f.model_dump(mode="json") for f in self.plan])
         started = time.time()
         out = self._run(prompts, sampling, run_id)
-        events = [e for e in read_events(self.engine.recovery["journal_dir"])
+        events = [e for e in read_events(self.engine.recovery["event_log_dir"])
                   if e["time"] >= started
                   and (e["event"] != "fault_fired" or e.get("run_id") == run_id)]
         records, rounds = collect_events(events, self.plan, origin=out.started_at)
@@ -610,7 +610,7 @@ def _start_engine(settings: FtkitSettings, journal_dir: Path, *,
     spec = EngineSpec(model=str(resolve_model(settings.model)),
                       tensor_parallel_size=settings.tensor_parallel_size)
     recovery = {"enabled": True, "max_reinference": settings.max_reinference,
-                "journal_dir": str(journal_dir)}
+                "event_log_dir": str(journal_dir)}
     return EngineSession(spec, recovery=recovery, multiprocess=multiprocess).start()
 
 

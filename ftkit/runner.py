@@ -33,7 +33,7 @@ from ftkit.events import EventSink, ProgressEvent, ignore_events
 from ftkit.faults import FaultKind
 from ftkit.model.digest import directory_digest
 from ftkit.model.tiny import TINY, cache_root, recipe_digest, resolve_model
-from ftkit.recovery.config import DEFAULT_ROUND_TIMEOUT_S
+from ftkit.bounds import DEFAULT_ROUND_TIMEOUT_S
 from ftkit.recovery.events import read_events
 from ftkit.results import FaultRecord, FiredAt, RecoveryRecord, RequestOutput, RunOutput, ScenarioResult
 from ftkit.verify import verify
@@ -162,7 +162,7 @@ class ScenarioRunner:
 
     def _host_for(self, job: dict[str, Any]) -> _Host:
         key = engine_key({**job, "recovery": (
-            None if job["recovery"] is None else {**job["recovery"], "journal_dir": None})})
+            None if job["recovery"] is None else {**job["recovery"], "event_log_dir": None})})
         host = self._hosts.pop(key, None)
         if host is None or not host.alive:
             if host is not None:
@@ -286,7 +286,7 @@ class _Host:
         result_path = job_dir / "result.json"
         if job["recovery"] is not None:
             assert self.journal is not None
-            job = {**job, "recovery": {**job["recovery"], "journal_dir": str(self.journal)}}
+            job = {**job, "recovery": {**job["recovery"], "event_log_dir": str(self.journal)}}
         job = {**job, "result_path": str(result_path)}
         (job_dir / "job.json").write_text(json.dumps(job))
         if self.proc is None:

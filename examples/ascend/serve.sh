@@ -9,7 +9,7 @@
 #
 # Needs: CANN, torch_npu, vLLM and vllm-ascend as the NPU machine has them, and ftkit installed
 # into the same Python environment (pip install -e . -e cli from a checkout). See docs/ascend.md.
-# Settings: FTKIT_MAX_REINFERENCE (default 3), FTKIT_ROUND_TIMEOUT_S (30), FTKIT_JOURNAL_DIR
+# Settings: FTKIT_MAX_REINFERENCE (default 3), FTKIT_ROUND_TIMEOUT_S (30), FTKIT_EVENT_LOG_DIR
 # (none), ASCEND_SET_ENV (CANN's environment script, sourced when it exists).
 set -euo pipefail
 
@@ -35,7 +35,7 @@ export HCCL_ASYNC_ERROR_HANDLING=0
 
 settings=$(printf '{"fault_tolerance": {"enabled": true, "max_reinference": %d, "round_timeout_s": %s%s}}' \
     "${FTKIT_MAX_REINFERENCE:-3}" "${FTKIT_ROUND_TIMEOUT_S:-30}" \
-    "${FTKIT_JOURNAL_DIR:+, \"journal_dir\": \"$FTKIT_JOURNAL_DIR\"}")
+    "${FTKIT_EVENT_LOG_DIR:+, \"event_log_dir\": \"$FTKIT_EVENT_LOG_DIR\"}")
 
 # Stop here, with the reason, unless vLLM sees the NPUs and ftkit's Ascend backend is usable.
 ftkit doctor --expect-platform npu

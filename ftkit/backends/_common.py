@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 from ftkit.backends.base import Capability, CommGroup, MemoryFault
 from ftkit.faults import CommunicationStopped, LinkError, OperatorTimeout
-from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S
+from ftkit.bounds import COLLECTIVE_STOP_SLICE_S
 
 log = logging.getLogger("ftkit")
 

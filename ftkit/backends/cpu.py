@@ -47,7 +47,7 @@ from ftkit.backends.base import (
     MemoryFault,
 )
 from ftkit.faults import CommunicationStopped, ForceStopError, OperatorTimeout
-from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
+from ftkit.bounds import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger("ftkit")
 

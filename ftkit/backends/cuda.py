@@ -79,7 +79,7 @@ from ftkit.backends.base import (
 )
 from ftkit.errors import FtkitError
 from ftkit.faults import CommunicationStopped, OperatorTimeout
-from ftkit.recovery.config import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
+from ftkit.bounds import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger("ftkit")
 

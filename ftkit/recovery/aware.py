@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from ftkit.errors import RecoveryError
-from ftkit.recovery.config import MONITOR_WAKE_S
+from ftkit.bounds import MONITOR_WAKE_S
 from ftkit.recovery.coordinator import (
     Action,
     Coordinator,

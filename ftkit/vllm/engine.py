@@ -22,7 +22,7 @@ import psutil
 
 from ftkit.errors import EngineError, RunTimeout
 from ftkit.inject import parse_request_id, request_id
-from ftkit.recovery.config import CONFIG_KEY
+from ftkit.config import CONFIG_KEY
 from ftkit.results import RequestOutput
 
 log = logging.getLogger("ftkit")
@@ -473,7 +473,7 @@ class EngineSession:
         """The plan of ``run_id`` with each fault's attempts that already fired."""
         from ftkit.recovery.events import read_events
 
-        journal = (self.recovery or {}).get("journal_dir")
+        journal = (self.recovery or {}).get("event_log_dir")
         fired: dict[int, int] = {}
         if journal:
             for e in read_events(journal):
@@ -484,7 +484,7 @@ class EngineSession:
     def _recovery_verdict(self, since_monotonic: float) -> str:
         """The reason the ranks gave for surfacing a fault, from their journal: a worker's
         exception reaches a multi-process front end only as a generic "engine dead"."""
-        journal = (self.recovery or {}).get("journal_dir")
+        journal = (self.recovery or {}).get("event_log_dir")
         if not journal:
             return ""
         from ftkit.recovery.events import read_events

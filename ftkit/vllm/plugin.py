@@ -25,7 +25,7 @@ import logging
 import sys
 from typing import Any
 
-from ftkit.recovery.config import CONFIG_KEY, RecoveryConfig
+from ftkit.config import CONFIG_KEY, RecoveryConfig
 
 log = logging.getLogger("ftkit")
 

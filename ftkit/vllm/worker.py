@@ -11,7 +11,7 @@ from ftkit.backends.platforms import backend_class
 from ftkit.errors import FtkitError
 from ftkit.inject import Injector
 from ftkit.recovery.aware import FaultAware
-from ftkit.recovery.config import RecoveryConfig
+from ftkit.config import RecoveryConfig
 from ftkit.recovery.coordinator import Coordinator, Decision, MemoryChannel, RankStatus, StoreChannel
 from ftkit.recovery.events import EventLog
 from ftkit.recovery.handlers import assess
@@ -38,7 +38,7 @@ class FtkitWorker:
         self.vllm_config = vllm_config
         self.config = config
         self.rank = int(getattr(worker, "rank", 0))
-        self.events = EventLog(self.rank, config.journal_dir)
+        self.events = EventLog(self.rank, config.event_log_dir)
         self.tolerance: FaultTolerance | None = None
         self.injector: Injector | None = None
         self.backend: Any = None

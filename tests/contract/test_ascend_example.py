@@ -14,7 +14,7 @@ from pathlib import Path
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from ftkit.recovery.config import CONFIG_KEY, RecoveryConfig
+from ftkit.config import CONFIG_KEY, RecoveryConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "ascend" / "serve.sh"
 
@@ -48,7 +48,7 @@ def serve(tmp_path: Path, *args: str, doctor_exit: int = 0, **env: str
 
 def test_the_script_serves_with_recovery_on_and_the_settings_recovery_needs(tmp_path):
     result = serve(tmp_path, "/models/m", "4", "--max-model-len", "4096",
-                   FTKIT_MAX_REINFERENCE="5", FTKIT_JOURNAL_DIR="/var/log/ftkit")
+                   FTKIT_MAX_REINFERENCE="5", FTKIT_EVENT_LOG_DIR="/var/log/ftkit")
     assert result.returncode == 0, result.stderr
     assert [c["argv"] for c in calls(tmp_path, "ftkit")] == [["doctor", "--expect-platform",
                                                               "npu"]]
@@ -62,7 +62,7 @@ def test_the_script_serves_with_recovery_on_and_the_settings_recovery_needs(tmp_
     assert args.max_model_len == 4096  # further arguments are passed on
     settings = RecoveryConfig.from_mapping(args.additional_config[CONFIG_KEY])
     assert settings == RecoveryConfig(enabled=True, max_reinference=5, round_timeout_s=30,
-                                      journal_dir="/var/log/ftkit")
+                                      event_log_dir="/var/log/ftkit")
 
 
 def test_the_defaults_and_the_doctor_gate(tmp_path):

@@ -25,7 +25,7 @@ def main() -> None:
     model, journal, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     prompts, fault, cripple = json.loads(sys.argv[4]), json.loads(sys.argv[5]), sys.argv[6]
     CRIPPLES[cripple]()
-    recovery = {"enabled": True, "max_reinference": 3, "journal_dir": journal}
+    recovery = {"enabled": True, "max_reinference": 3, "event_log_dir": journal}
     with EngineSession(EngineSpec(model=model), recovery=recovery) as engine:
         run_id = engine.new_run_id()
         engine.set_fault_plan(run_id, [fault])

@@ -56,7 +56,7 @@ def baseline(tiny_model: str) -> Baseline:
 
 def recovery_config(journal_dir: str, **overrides) -> dict:
     return {"enabled": True, "max_reinference": 3, "round_timeout_s": 20.0,
-            "journal_dir": journal_dir, **overrides}
+            "event_log_dir": journal_dir, **overrides}
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +127,7 @@ def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[
     out = engine.generate(PROMPTS, sampling, run_id=run_id,
                           deadline=time.monotonic() + timeout_s,
                           submit_after_steps=submit_after_steps)
-    events = [e for e in read_events(engine.recovery["journal_dir"]) if e["time"] >= started]
+    events = [e for e in read_events(engine.recovery["event_log_dir"]) if e["time"] >= started]
     return FaultRun(
         tokens=[r.token_ids for r in out.requests],
         token_times=[r.token_times for r in out.requests],

@@ -1,36 +1,28 @@
-"""Recovery settings and every wait bound the recovery engine uses, in one place.
+"""Recovery settings: what a deployment writes in vLLM's ``additional_config``.
 
 Users set the recovery through vLLM's ``additional_config`` key ``fault_tolerance``, with
 the same keys on every platform::
 
     additional_config={"fault_tolerance": {"enabled": true, "max_reinference": 3}}
 
-Unknown keys are rejected, so a typo does not silently leave recovery off.
+Unknown keys are rejected, so a typo does not silently leave recovery off. The record crosses
+process boundaries inside vLLM's own configuration (to every worker) and inside an engine job.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ftkit.bounds import DEFAULT_ROUND_TIMEOUT_S
 from ftkit.errors import FtkitError
 
 #: The ``additional_config`` key that holds ftkit's settings.
 CONFIG_KEY = "fault_tolerance"
-
-#: How long a blocked collective waits between looks at the stop flag. It bounds how long a
-#: healthy rank stays blocked after its monitor was told to stop (detection is event driven;
-#: this only paces the unblocking of a collective that a peer never joined).
-COLLECTIVE_STOP_SLICE_S = 0.005
-#: Bound on one collective that a peer never joins and no stop ends (a peer hung without
-#: announcing a fault): it then raises instead of blocking forever.
-COLLECTIVE_TIMEOUT_S = 120.0
-#: The monitor's wait for a fault announcement wakes up this often only to notice a shutdown.
-MONITOR_WAKE_S = 60.0
-#: Default bound on every wait inside one recovery round (peers reporting, rebuild, done).
-DEFAULT_ROUND_TIMEOUT_S = 30.0
-#: Connecting to the side channel at start.
-SIDE_CHANNEL_CONNECT_TIMEOUT_S = 60.0
+#: Old names of settings, still accepted (with a warning) under their new name.
+_RENAMED = {"journal_dir": "event_log_dir"}
 
 
 @dataclass(frozen=True)
@@ -41,8 +33,9 @@ class RecoveryConfig:
     ``max_reinference``: re-runs of one step before the fault is surfaced (0: never re-run).
     ``round_timeout_s``: bound on each wait of a recovery round; a peer that does not answer
     within it turns the round into a clean failure.
-    ``journal_dir``: where each rank appends its recovery and fault events (JSON lines);
-    ``None`` keeps them in memory only.
+    ``event_log_dir``: where each rank appends its event log (fault and recovery events, JSON
+    lines, ``ftkit.contracts.eventlog``); ``None`` keeps them in memory only. (Formerly
+    ``journal_dir``, still accepted.)
     ``op_timeout_s``: operators (and collectives) that run longer raise the hang error
     instead of blocking: ``set_op_timeout_ms`` on Ascend; ``None`` keeps the backend's bound.
     """
@@ -50,7 +43,7 @@ class RecoveryConfig:
     enabled: bool = False
     max_reinference: int = 3
     round_timeout_s: float = DEFAULT_ROUND_TIMEOUT_S
-    journal_dir: str | None = None
+    event_log_dir: str | None = None
     op_timeout_s: float | None = None
 
     @classmethod
@@ -59,6 +52,14 @@ class RecoveryConfig:
             return cls()
         if not isinstance(raw, dict):
             raise FtkitError(f"additional_config[{CONFIG_KEY!r}] must be a mapping, got {raw!r}")
+        raw = dict(raw)
+        for old, new in _RENAMED.items():
+            if old in raw:
+                warnings.warn(f"{CONFIG_KEY}.{old} is now called {new}", FutureWarning,
+                              stacklevel=2)
+                if new in raw:
+                    raise FtkitError(f"{CONFIG_KEY}: give {new} only (it replaces {old})")
+                raw[new] = raw.pop(old)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -83,3 +84,10 @@ class RecoveryConfig:
     @classmethod
     def from_additional_config(cls, additional_config: dict[str, Any] | None) -> RecoveryConfig:
         return cls.from_mapping((additional_config or {}).get(CONFIG_KEY))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The ``additional_config["fault_tolerance"]`` that gives this config."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> RecoveryConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,21 @@
+"""The records that cross a process boundary, each owned by one module.
+
+Everything one ftkit process tells another goes through a typed, versioned record that
+serialises itself (``to_json`` / ``from_json``); no other module builds or reads these
+payloads by key strings.
+
+========================  =====================================================================
+``step``                  ``RpcKind`` and the ``StepHook`` protocol: what the step wrapper
+                          (recovery half) shows the fault injector (injection half)
+``plan``                  ``FaultPlan``: the faults of one run, from the scenario's
+                          ``FaultSpec`` to every rank's injector (through vLLM's
+                          ``collective_rpc``)
+``eventlog``              the ranks' event log: ``FaultFired``, ``StepRecovered``,
+                          ``RecoveryRound``, ``KvRecomputed``, ``ParamsReloaded``; one writer
+                          (``EventLog``) and one reader (``read_events``)
+``job``                   ``EngineJob`` / ``JobResult``: what the scenario runner sends to an
+                          engine host process and what it gets back
+========================  =====================================================================
+
+This package sits below both halves of ftkit (recovery and injection) and imports neither.
+"""

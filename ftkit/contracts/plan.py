@@ -1,0 +1,80 @@
+"""The fault plan: the faults of one run, on their way from the scenario to every injector.
+
+The scenario's ``FaultSpec`` is the source of truth: a ``PlannedFault`` carries it whole,
+with only what the journey adds (its place in the scenario, and how many of its failing
+attempts already fired before an engine restart). The plan travels as one JSON string
+(``to_json`` / ``from_json``) through vLLM's ``collective_rpc`` to every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from ftkit.errors import InjectionError
+from ftkit.scenario.model import FaultSpec
+
+#: The version of the plan's JSON form.
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlannedFault:
+    """One fault of a plan."""
+
+    #: Its place in the scenario's ``faults`` (fault records and events refer to it).
+    index: int
+    spec: FaultSpec
+    #: Failing attempts that already fired before the engine restarted.
+    fired: int = 0
+
+    def on_rank(self, rank: int) -> bool:
+        return self.spec.rank == "all" or self.spec.rank == rank
+
+    @property
+    def attempts_left(self) -> int:
+        return self.spec.times - self.fired
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults of run ``run_id``. ``max_reinference``, if set, applies from this run on
+    (engines are shared between scenarios that differ only there)."""
+
+    run_id: str | None
+    faults: tuple[PlannedFault, ...] = ()
+    max_reinference: int | None = None
+
+    @classmethod
+    def from_specs(cls, run_id: str | None, specs: Iterable[FaultSpec],
+                   max_reinference: int | None = None) -> FaultPlan:
+        return cls(run_id, tuple(PlannedFault(i, s) for i, s in enumerate(specs)),
+                   max_reinference)
+
+    def with_fired(self, fired: Mapping[int, int]) -> FaultPlan:
+        """This plan with the attempts that already fired (by fault index)."""
+        return replace(self, faults=tuple(replace(f, fired=fired.get(f.index, f.fired))
+                                          for f in self.faults))
+
+    def for_rank(self, rank: int) -> list[PlannedFault]:
+        """The faults this rank still has to fire."""
+        return [f for f in self.faults if f.on_rank(rank) and f.attempts_left > 0]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "v": VERSION, "run_id": self.run_id, "max_reinference": self.max_reinference,
+            "faults": [{"index": f.index, "fired": f.fired,
+                        "spec": f.spec.model_dump(mode="json")} for f in self.faults],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> FaultPlan:
+        raw = json.loads(text)
+        if raw.get("v") != VERSION:
+            raise InjectionError(f"fault plan of version {raw.get('v')!r}; this ftkit reads "
+                                 f"version {VERSION}")
+        return cls(raw["run_id"],
+                   tuple(PlannedFault(int(f["index"]), FaultSpec.model_validate(f["spec"]),
+                                      int(f["fired"])) for f in raw["faults"]),
+                   raw["max_reinference"])
