@@ -171,6 +171,9 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        # mkstemp makes the file private (0600); a report is made to be read by CI's artifact
+        # uploader and other users, so it gets the mode any new file gets under the umask.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
         os.replace(staging, target)
@@ -178,6 +181,20 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
         Path(staging).unlink(missing_ok=True)
         raise
     return target
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system tells it (Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, but brief)
+    os.umask(mask)
+    return mask
 
 
 def read_json_report(path: str | os.PathLike[str]) -> dict[str, Any]:

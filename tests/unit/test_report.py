@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -122,3 +124,19 @@ def test_environment_info_does_not_import_vllm_or_torch():
     assert info["vllm"] is not None
     assert info["torch"] is not None
     assert info == environment_info()
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_reports_get_the_mode_of_any_new_file_under_the_umask(tmp_path, umask, mode):
+    """CI uploads reports as another user: under umask 022 they are world-readable, not the
+    0600 of a temporary file."""
+    from ftkit.report import write_html_report, write_junit_report
+
+    old = os.umask(umask)
+    try:
+        paths = [write_json_report([passed(), failed()], tmp_path / "r.json"),
+                 write_junit_report([passed()], tmp_path / "r.xml"),
+                 write_html_report([passed()], tmp_path / "r.html")]
+    finally:
+        os.umask(old)
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in paths} == {oct(mode)}
