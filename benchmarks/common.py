@@ -17,9 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ftkit.model import build_tiny_model
-from ftkit.scenario.prompts import random_prompts
-from ftkit.vllm.engine import EngineSession
+from ftkit import EngineSession, build_tiny_model, random_prompts
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent

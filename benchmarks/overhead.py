@@ -16,15 +16,15 @@ size its tables for the longer context).
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.common import LEGACY_KEY, legacy_plugin_installed, open_sessions, prompts, settle
-from benchmarks.common import tiny_model, worker_of
+from benchmarks.common import tiny_model
 from benchmarks.stats import Summary, fmt_summary, markdown_table, paired_ratios, rotations
 from benchmarks.stats import summarize
-from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec
+from benchmarks import own_time
+from ftkit import EngineSession, EngineSpec, RecoveryConfig, SamplingSpec, build_wide_model
 
 VARIANTS = ("off", "ftkit", "legacy")
 
@@ -37,9 +37,17 @@ class Plan:
     max_tokens: int = 128
     max_model_len: int = 32768
     max_num_seqs: int = 256
+    #: The wide model (``ftkit.model.wide``): off and ftkit side by side at TP 1.
+    wide_batches: tuple[int, ...] = (8,)
+    wide_repeats: int = 5
+    wide_max_tokens: int = 32
 
 
-QUICK = Plan(tps=(2,), batches=(8,), repeats=3, max_tokens=64)
+QUICK = Plan(tps=(2,), batches=(8,), repeats=3, max_tokens=64, wide_batches=(8,),
+             wide_repeats=3, wide_max_tokens=16)
+#: What ``--part`` selects: the three-engine comparison on the tiny model, ftkit's own time
+#: per step with its breakdown, the on/off comparison on the wide model.
+PARTS = ("engines", "own-time", "wide")
 
 
 @dataclass
@@ -65,7 +73,7 @@ def sessions_for(tp: int, plan: Plan) -> dict[str, EngineSession]:
                         args={**args, "additional_config": {LEGACY_KEY: {"poll_s": 1.0}}})
     return {
         "off": EngineSession(spec, multiprocess=True),
-        "ftkit": EngineSession(spec, multiprocess=True, recovery={"enabled": True}),
+        "ftkit": EngineSession(spec, multiprocess=True, recovery=RecoveryConfig(enabled=True)),
         "legacy": EngineSession(legacy, multiprocess=True),
     }
 
@@ -104,75 +112,51 @@ def _check(name: str, out: Any) -> Any:
     return out
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    if not legacy_plugin_installed():
-        raise RuntimeError("the legacy-cost plugin is not installed: run `make bench` (it "
-                           "installs benchmarks/legacy_plugin into .venv)")
+def measure_wide(plan: Plan) -> dict[str, Any]:
+    """The wide model at TP 1: ``off`` and ``ftkit`` side by side (started once, repeats in
+    rotating order after ``SETTLE_S``), tokens per second and their per-repeat ratio."""
+    spec = EngineSpec(model=str(build_wide_model()), max_model_len=2048,
+                      args={"max_num_seqs": plan.max_num_seqs})
+    sessions = {"off": EngineSession(spec, multiprocess=True),
+                "ftkit": EngineSession(spec, multiprocess=True,
+                                       recovery=RecoveryConfig(enabled=True))}
+    sampling = SamplingSpec(max_tokens=plan.wide_max_tokens)
+    rows = []
+    with open_sessions(sessions):
+        for batch in plan.wide_batches:
+            workload = prompts(batch)
+            row = Row(1, batch, {v: [] for v in sessions})
+            tokens: dict[str, list[list[int]]] = {}
+            for name in sessions:  # warm-up
+                settle()
+                _check(name, sessions[name].generate(workload, sampling))
+            for order in rotations(tuple(sessions), plan.wide_repeats):
+                for name in order:
+                    settle()
+                    out = _check(name, sessions[name].generate(workload, sampling))
+                    total = sum(len(r.token_ids) for r in out.requests)
+                    row.tokens_per_s[name].append(total / out.generate_s)
+                    tokens[name] = [r.token_ids for r in out.requests]
+            row.identical = {name: tokens[name] == tokens["off"] for name in sessions}
+            rows.append(asdict(row))
+    return {"tp": 1, "model": "wide", "rows": rows}
+
+
+def run(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     plan = QUICK if quick else Plan()
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    return {"plan": asdict(plan), "results": [measure_tp(tp, plan) for tp in plan.tps],
-            "own_time": measure_own_time(plan)}
-
-
-# --- ftkit's own time per step, measured where it is spent ---------------------------------------
-
-class OwnTime:
-    """Wraps one worker's ``FaultTolerance.execute_model`` / ``sample_tokens`` (on that
-    instance): the whole call and the model runner's call inside it are timed
-    (``perf_counter_ns``); ftkit's own time is the difference."""
-
-    def __init__(self, tolerance: Any) -> None:
-        self.samples: list[tuple[int, int]] = []  # (whole ns, runner ns) per RPC
-        for name in ("execute_model", "sample_tokens"):
-            setattr(tolerance, name, self._wrap(getattr(tolerance, name)))
-
-    def _wrap(self, method: Any) -> Any:
-        def timed(call: Any, arg: Any) -> Any:
-            inner = [0]
-
-            def runner_call(a: Any) -> Any:
-                started = time.perf_counter_ns()
-                try:
-                    return call(a)
-                finally:
-                    inner[0] += time.perf_counter_ns() - started
-
-            started = time.perf_counter_ns()
-            out = method(runner_call, arg)
-            self.samples.append((time.perf_counter_ns() - started, inner[0]))
-            return out
-        return timed
-
-    def take(self) -> list[tuple[int, int]]:
-        samples, self.samples = self.samples, []
-        return samples
-
-
-def measure_own_time(plan: Plan) -> dict[str, Any]:
-    """At tensor parallel 1, in process (the worker lives here): per step (an execute and a
-    sample RPC), the runner's time and ftkit's own time around it, for each batch size."""
-    spec = EngineSpec(model=tiny_model(), max_model_len=plan.max_model_len,
-                      args={"max_num_seqs": plan.max_num_seqs})
-    session = EngineSession(spec, multiprocess=False, recovery={"enabled": True})
-    sampling = SamplingSpec(max_tokens=plan.max_tokens)
-    rows = []
-    with open_sessions({"ftkit": session}):
-        session.generate(prompts(2), sampling)  # builds the recovery engine at its first step
-        probe = OwnTime(worker_of(session)._ftkit.tolerance)
-        for batch in plan.batches:
-            steps: list[tuple[float, float]] = []
-            for _ in range(plan.repeats):
-                _check("ftkit", session.generate(prompts(batch), sampling))
-                samples = probe.take()
-                # Pairs of RPCs: (execute, sample) of one step.
-                for ex, sa in zip(samples[0::2], samples[1::2]):
-                    runner_ns = ex[1] + sa[1]
-                    steps.append((runner_ns / 1000, (ex[0] + sa[0] - runner_ns) / 1000))
-            rows.append({"batch": batch, "steps": len(steps),
-                         "runner_us": summarize(r for r, _ in steps).to_dict(),
-                         "ftkit_us": summarize(f for _, f in steps).to_dict(),
-                         "share": summarize(f / r for r, f in steps if r > 0).to_dict()})
-    return {"tp": 1, "rows": rows}
+    result: dict[str, Any] = {"plan": asdict(plan), "parts": list(parts)}
+    if "engines" in parts:
+        if not legacy_plugin_installed():
+            raise RuntimeError("the legacy-cost plugin is not installed: run `make bench` (it "
+                               "installs benchmarks/legacy_plugin into .venv)")
+        result["results"] = [measure_tp(tp, plan) for tp in plan.tps]
+    if "own-time" in parts:
+        result["own_time"] = own_time.measure_own_time(
+            plan.batches, plan.repeats, plan.max_tokens, plan.max_model_len, plan.max_num_seqs)
+    if "wide" in parts:
+        result["wide"] = measure_wide(plan)
+    return result
 
 
 # --- the table ----------------------------------------------------------------------------------
@@ -192,15 +176,26 @@ def table(result: dict[str, Any]) -> str:
 
 
 def own_time_table(result: dict[str, Any]) -> str:
+    """ftkit's own time per step and where it goes (``benchmarks.own_time``), then the wide
+    model's end-to-end ratio when the run measured it."""
+    text = own_time.own_time_table(result["own_time"])
+    if result.get("wide"):
+        text += ("\n\nThe same comparison on the wide model (``ftkit.model.wide``: the layer "
+                 "widths of a 7B-class Llama, two layers), whose step is long enough for a "
+                 "per-step cost to show in tokens per second:\n\n" + wide_table(result))
+    return text
+
+
+def wide_table(result: dict[str, Any]) -> str:
+    """The wide model's tokens per second, off and ftkit, and their per-repeat ratio."""
     rows = []
-    for row in result["own_time"]["rows"]:
-        share = Summary.from_dict(row["share"])
-        rows.append([result["own_time"]["tp"], row["batch"], row["steps"],
-                     fmt_summary(Summary.from_dict(row["runner_us"]), 0),
-                     fmt_summary(Summary.from_dict(row["ftkit_us"]), 1),
-                     f"{share.median * 100:.2f} % ({share.low * 100:.2f}-{share.high * 100:.2f})"])
-    return markdown_table(["TP", "batch", "steps", "runner us/step", "ftkit us/step",
-                           "ftkit / runner"], rows)
+    for raw in result["wide"]["rows"]:
+        row = Row(raw["tp"], raw["batch"], raw["tokens_per_s"], raw["identical"])
+        rows.append([row.tp, row.batch, fmt_summary(row.summary("off"), 1),
+                     fmt_summary(row.summary("ftkit"), 1), fmt_summary(row.ratio("ftkit"), 3),
+                     "yes" if all(row.identical.values()) else "NO"])
+    return markdown_table(["TP", "batch", "off tok/s (wide)", "ftkit tok/s (wide)",
+                           "ftkit/off", "tokens identical"], rows)
 
 
 def legacy_note(result: dict[str, Any]) -> str:
@@ -214,9 +209,25 @@ def legacy_note(result: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def main(argv: list[str]) -> int:
+    """``python -m benchmarks.overhead [--part PART ...] [--quick] [--out F]``: a run of some
+    parts only writes ``results/partial/overhead-<parts>.json`` unless ``--out`` says
+    otherwise, so that it never stands in for the whole suite's results."""
+    import argparse
+
+    from benchmarks.common import RESULTS_DIR
+    from benchmarks.suite import main as suite_main
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS))
+    args, rest = ap.parse_known_args(argv)
+    parts = tuple(p for p in PARTS if p in args.part)
+    if parts != PARTS and "--out" not in rest:
+        rest += ["--out", str(RESULTS_DIR / "partial" / f"overhead-{'+'.join(parts)}.json")]
+    return suite_main("overhead", lambda quick: run(quick, parts), rest, __doc__)
+
+
 if __name__ == "__main__":
     import sys
 
-    from benchmarks.suite import main
-
-    sys.exit(main("overhead", run, sys.argv[1:], __doc__))
+    sys.exit(main(sys.argv[1:]))

@@ -3,8 +3,8 @@
 Real faults on real engines: for each kind, one workload (8 requests, 64 greedy tokens) carries
 a fault every few steps (``FAULT_TOKENS``: each a different step, request and, at tensor
 parallel 2, rank in turn), so that ten faults cost one engine start; the process kills come
-last, on the same engine. Every rank writes its events to the engine's journal; each fault is
-then laid out on the wall clock of the machine (all ranks share it), from the ``fault_fired``
+last, on the same engine. Every rank writes its events to the engine's event log; each fault
+is then laid out on the wall clock of the machine (all ranks share it), from the ``FaultFired``
 event (``t0``) on:
 
 * ``detect``: until every rank knew: the failing rank when its step raised and it joined the
@@ -18,7 +18,7 @@ event (``t0``) on:
 * ``total``: until the step's re-run had returned on every rank (generation runs again).
 
 A process kill takes no part in a round: its row is the engine session's restart, from the
-kill (``fault_fired``) to the requests resumed on a new engine (``GenerateResult.restarts``):
+kill (``FaultFired``) to the requests resumed on a new engine (``GenerateResult.restarts``):
 ``death seen`` when the session's death watch handed the death to the front end (timed around
 ``EngineSession._unblock_front_end``), ``detect`` when the session began the restart, ``close``
 the shut-down of the dead engine's front end (``EngineSession._shut_down``; its processes,
@@ -42,8 +42,21 @@ from typing import Any
 
 from benchmarks.common import open_sessions, prompts, settle, tiny_model
 from benchmarks.stats import Summary, fmt_summary, markdown_table, summarize
-from ftkit.recovery.events import read_events
-from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec
+from ftkit import (
+    EngineSession,
+    EngineSpec,
+    Event,
+    FaultFired,
+    FaultPlan,
+    FaultSpec,
+    KvRecomputed,
+    RecoveryConfig,
+    RecoveryRound,
+    SamplingSpec,
+    StepRecovered,
+    only,
+    read_events,
+)
 
 #: The output tokens (of successive requests) at which a workload's faults fire.
 FAULT_TOKENS = (4, 10, 16, 22, 28, 34, 40, 46, 52, 58)
@@ -85,98 +98,97 @@ class Plan:
 QUICK = Plan(tps=(2,), faults=3, kills=1)
 
 
-def fault_plan(case: Case, count: int, tp: int) -> list[dict[str, Any]]:
+def fault_plan(case: Case, count: int, tp: int) -> list[FaultSpec]:
     tokens = FAULT_TOKENS[:: max(1, len(FAULT_TOKENS) // count)][:count]
-    return [{"kind": case.kind, "rank": i % tp, "phase": "forward", "times": 1,
-             "at": {"request": i % WORKLOAD_REQUESTS, "token": token},
-             "params": dict(case.params)} for i, token in enumerate(tokens)]
+    return [FaultSpec.model_validate(
+        {"kind": case.kind, "rank": i % tp, "phase": "forward", "times": 1,
+         "at": {"request": i % WORKLOAD_REQUESTS, "token": token},
+         "params": dict(case.params)}) for i, token in enumerate(tokens)]
 
 
 # --- in-place recovery ----------------------------------------------------------------------
 
 def measure_tp(tp: int, plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Every in-place case at ``tp`` on one engine, then (at ``plan.kill_tp``) the kills."""
-    journal = tempfile.mkdtemp(prefix="ftkit-bench-journal-")
+    event_log = tempfile.mkdtemp(prefix="ftkit-bench-event-log-")
     session = EngineSession(EngineSpec(model=tiny_model(), tensor_parallel_size=tp),
                             multiprocess=True,
-                            recovery={"enabled": True, "event_log_dir": journal})
+                            recovery=RecoveryConfig(enabled=True, event_log_dir=event_log))
     workload = prompts(WORKLOAD_REQUESTS)
     with open_sessions({"ftkit": session}):
         fresh = session.generate(workload, SAMPLING)  # the reference, on a new engine
-        rows = [measure_case(session, journal, case, tp, plan.faults, _tokens(fresh))
+        rows = [measure_case(session, event_log, case, tp, plan.faults, _tokens(fresh))
                 for case in CASES if tp > 1 or case.kind not in NEEDS_PEER]
         kill = None
         if tp == plan.kill_tp and plan.kills:
-            kill = measure_process_kill(session, journal, fresh, plan.kills)
+            kill = measure_process_kill(session, event_log, fresh, plan.kills)
     return rows, kill
 
 
-def measure_case(session: EngineSession, journal: str, case: Case, tp: int, count: int,
+def measure_case(session: EngineSession, event_log: str, case: Case, tp: int, count: int,
                  reference: list[list[int]]) -> dict[str, Any]:
     settle()
     faults = fault_plan(case, count, tp)
     run_id = session.new_run_id()
-    session.set_fault_plan(run_id, faults)
+    session.set_fault_plan(FaultPlan.from_specs(run_id, faults))
     out = session.generate(prompts(WORKLOAD_REQUESTS), SAMPLING, run_id=run_id,
                            deadline=time.monotonic() + 600)
-    events = read_events(journal)
-    fired = sorted((e for e in events if e["event"] == "fault_fired"
-                    and e.get("run_id") == run_id), key=lambda e: e["time"])
+    events = read_events(event_log)
+    fired = [e for e in only(events, FaultFired) if e.run_id == run_id]
     return {"case": case.name, "tp": tp, "planned": len(faults), "fired": len(fired),
             "error": out.error, "identical": out.error is None and _tokens(out) == reference,
             "faults": fault_phases(fired, events)}
 
 
-def fault_phases(fired: list[dict[str, Any]], events: list[dict[str, Any]]
+def fault_phases(fired: list[FaultFired], events: list[Event]
                  ) -> list[dict[str, float | None]]:
     """The phases (seconds) of each fired fault, from the events that followed it up to the
     next fault."""
     result = []
     for i, fault in enumerate(fired):
-        t0 = fault["time"]
-        t_next = fired[i + 1]["time"] if i + 1 < len(fired) else float("inf")
-        window = [e for e in events if t0 <= e.get("started", e["time"]) < t_next]
-        rounds = [e for e in window if e["event"] == "recovery"]
+        t0 = fault.time
+        t_next = fired[i + 1].time if i + 1 < len(fired) else float("inf")
+        # A round counts from when it started on a rank, every other event from its writing.
+        window = [e for e in events
+                  if t0 <= (e.started if isinstance(e, RecoveryRound) else e.time) < t_next]
+        rounds = only(window, RecoveryRound)
         if not rounds:
             result.append({p: None for p in PHASES})
             continue
-        epoch = min(e["epoch"] for e in rounds)
-        rounds = [e for e in rounds if e["epoch"] == epoch]
-        result.append(round_phases(t0, rounds,
-                                   [e for e in window if e["event"] == "kv_recomputed"],
-                                   _first_per_rank(e for e in window
-                                                   if e["event"] == "step_recovered")))
+        epoch = min(e.epoch for e in rounds)
+        rounds = [e for e in rounds if e.epoch == epoch]
+        result.append(round_phases(t0, rounds, only(window, KvRecomputed),
+                                   _first_per_rank(only(window, StepRecovered))))
     return result
 
 
-def round_phases(t0: float, rounds: list[dict[str, Any]], kv: list[dict[str, Any]],
-                 recovered: list[dict[str, Any]]) -> dict[str, float | None]:
+def round_phases(t0: float, rounds: list[RecoveryRound], kv: list[KvRecomputed],
+                 recovered: list[StepRecovered]) -> dict[str, float | None]:
     """Lay one round out on the wall clock; see the module docstring for the phases."""
-    detected = max((e["stop_requested"] or e["started"]) for e in rounds)
-    joined = max(e["started"] for e in rounds)
-    agreed = max(e["started"] + e.get("statuses_s", 0.0) for e in rounds)
-    kv_s = {e["rank"]: e["duration_s"] for e in kv}
-    running = max((e["time"] for e in recovered), default=None)
+    detected = max((e.stop_requested or e.started) for e in rounds)
+    joined = max(e.started for e in rounds)
+    agreed = max(e.started + (e.statuses_s or 0.0) for e in rounds)
+    kv_s = {e.rank: e.duration_s for e in kv}
+    running = max((e.time for e in recovered), default=None)
     return {
         "detect": detected - t0,
         "stop": joined - detected,
         "agree": agreed - joined,
-        "device": max(e.get("device_s", 0.0) for e in rounds),
+        "device": max(e.device_s or 0.0 for e in rounds),
         # Collective: the last rank to arrive waits least; its time is the rebuild's own.
-        "comms": min(e.get("comms_s", 0.0) for e in rounds),
-        "repair": max(e.get("repair_s", 0.0) for e in rounds),
-        "restore": max((e.get("rollback_s", 0.0) + kv_s.get(e["rank"], 0.0)
-                        for e in recovered), default=None),
-        "rerun": max((e.get("rerun_s", 0.0) - kv_s.get(e["rank"], 0.0) for e in recovered),
-                     default=None),
+        "comms": min(e.comms_s or 0.0 for e in rounds),
+        "repair": max(e.repair_s or 0.0 for e in rounds),
+        "restore": max((e.rollback_s + kv_s.get(e.rank, 0.0) for e in recovered),
+                       default=None),
+        "rerun": max((e.rerun_s - kv_s.get(e.rank, 0.0) for e in recovered), default=None),
         "total": None if running is None else running - t0,
     }
 
 
-def _first_per_rank(events: Any) -> list[dict[str, Any]]:
-    first: dict[int, dict[str, Any]] = {}
+def _first_per_rank(events: list[StepRecovered]) -> list[StepRecovered]:
+    first: dict[int, StepRecovered] = {}
     for e in events:
-        first.setdefault(e["rank"], e)
+        first.setdefault(e.rank, e)
     return list(first.values())
 
 
@@ -186,7 +198,7 @@ def _tokens(out: Any) -> list[list[int]]:
 
 # --- process kill -----------------------------------------------------------------------------
 
-def measure_process_kill(session: EngineSession, journal: str, fresh: Any,
+def measure_process_kill(session: EngineSession, event_log: str, fresh: Any,
                          kills: int) -> dict[str, Any]:
     """``kills`` SIGKILLs of a worker in one workload, each resumed on a new engine.
     ``fresh``: the workload's fault-free output on the session's first engine."""
@@ -204,28 +216,27 @@ def measure_process_kill(session: EngineSession, journal: str, fresh: Any,
         session._unblock_front_end, noticed)
     faults = fault_plan(Case("process_kill", "process_kill", {"target": "rank"}), kills, tp)
     run_id = session.new_run_id()
-    session.set_fault_plan(run_id, faults)
+    session.set_fault_plan(FaultPlan.from_specs(run_id, faults))
     settle()
     out = session.generate(workload, SAMPLING, run_id=run_id, max_restarts=len(faults),
                            deadline=time.monotonic() + 600 + 60 * len(faults))
-    fired = sorted((e for e in read_events(journal) if e["event"] == "fault_fired"
-                    and e.get("run_id") == run_id), key=lambda e: e["time"])
+    fired = [e for e in only(read_events(event_log), FaultFired) if e.run_id == run_id]
     kills = []
     token_times = sorted(t for r in out.requests for t in r.token_times)
     for i, restart in enumerate(out.restarts):
-        fired_at = fired[i]["time"] - out.started_at if i < len(fired) else None
+        fired_at = fired[i].time - out.started_at if i < len(fired) else None
         watch_at = noticed[i] - out.started_at if i < len(noticed) else None
-        after = [t for t in token_times if t > restart["resumed_at_s"]]
+        after = [t for t in token_times if t > restart.resumed_at_s]
         kills.append({
             "watch": None if fired_at is None or watch_at is None else watch_at - fired_at,
-            "detect": None if fired_at is None else restart["died_at_s"] - fired_at,
+            "detect": None if fired_at is None else restart.died_at_s - fired_at,
             "close": closes[i] if i < len(closes) else None,
             "start": starts[i] if i < len(starts) else None,
-            "restart": restart["restart_s"],
-            "resume": restart["resumed_at_s"] - restart["died_at_s"] - restart["restart_s"],
-            "died_to_resumed": restart["resumed_at_s"] - restart["died_at_s"],
-            "first_token": after[0] - restart["resumed_at_s"] if after else None,
-            "total": None if fired_at is None else restart["resumed_at_s"] - fired_at,
+            "restart": restart.restart_s,
+            "resume": restart.resumed_at_s - restart.died_at_s - restart.restart_s,
+            "died_to_resumed": restart.resumed_at_s - restart.died_at_s,
+            "first_token": after[0] - restart.resumed_at_s if after else None,
+            "total": None if fired_at is None else restart.resumed_at_s - fired_at,
         })
     return {"case": "process_kill", "tp": tp, "planned": len(faults), "fired": len(fired),
             "restarts": len(out.restarts), "error": out.error,

@@ -1,7 +1,8 @@
-"""The results as Markdown: ``RESULTS.md`` beside the JSON files, and the README's
-"Performance" section, both generated from the saved results (``python -m benchmarks
---report-only`` writes them again). The reading under each table is computed from the same
-numbers: every target is checked here, not by hand.
+"""The results as Markdown: ``RESULTS.md`` beside the JSON files, and the performance page
+``docs/performance.md``, both generated from the saved results (``python -m benchmarks
+--report-only`` writes them again; the README keeps only the headline numbers and a link).
+The reading under each table is computed from the same numbers: every target is checked
+here, not by hand.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ RATIO_TARGET = 0.99
 LINK_DETECT_TARGET_S = 0.1
 LINK_RUNNING_TARGET_S = 1.0
 KILL_MARGIN_TARGET_S = 1.0
-README_HEADING = "## Performance"
+#: The page ``make bench`` writes (relative to the repository root); the README links to it.
+PAGE = Path("docs") / "performance.md"
+PAGE_TITLE = "# Performance"
 
 
 def load(out_dir: Path) -> dict[str, dict[str, Any]]:
@@ -29,24 +32,22 @@ def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
-def write(out_dir: Path, readme: Path | None = None) -> str:
-    """Write ``RESULTS.md`` in ``out_dir`` (and the README's section); return the Markdown."""
+def write(out_dir: Path, page: Path | None = None) -> str:
+    """Write ``RESULTS.md`` in ``out_dir`` and, when given and there are results, the
+    performance page ``page`` (all of it: the page is generated); return the Markdown."""
     results = load(out_dir)
     markdown = render(results)
     (out_dir / "RESULTS.md").write_text("# ftkit benchmark results\n\n" + markdown + "\n")
-    if readme is not None and results:
-        replace_section(readme, README_HEADING, markdown)
+    if page is not None and results:
+        page.write_text(render_page(markdown))
     return markdown
 
 
-def replace_section(path: Path, heading: str, body: str) -> None:
-    """Put ``body`` under ``heading`` in ``path``, up to the next heading of the same level."""
-    lines = path.read_text().splitlines()
-    start = lines.index(heading)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-               len(lines))
-    lines[start + 1:end] = ["", body, ""]
-    path.write_text("\n".join(lines) + "\n")
+def render_page(markdown: str) -> str:
+    """The performance page around the rendered results."""
+    return (f"{PAGE_TITLE}\n\n<!-- Written by `make bench` (benchmarks/report.py) from "
+            f"benchmarks/results/; do not edit by hand. -->\n\n{markdown}\n\n"
+            f"Back to the [README](../README.md).\n")
 
 
 def render(results: dict[str, dict[str, Any]]) -> str:

@@ -7,9 +7,9 @@ the worker and its ``V1RunnerState`` live in this process. After a warm-up the s
 time the real call (``perf_counter_ns``) and then size the record it returned. Only steady
 decode steps count: steps that schedule exactly the workload's requests, one token each.
 
-Bytes are what the record allocates: its containers (``sys.getsizeof``) and the tensors it
-copies (logits and generator states, ``nbytes``). What it only refers to (request ids, the
-step's forward state, which vLLM keeps anyway) is not counted.
+Bytes are what the record allocates: its containers (``sys.getsizeof``) and the arrays and
+tensors it copies (the rows' token counts, logits and generator states, ``nbytes``). What it
+only refers to (request ids, the step's forward state, which vLLM keeps anyway) is not counted.
 
 The legacy column times ``input_batch.token_ids_cpu_tensor.clone()`` on the same runner, the
 copy the earlier design made twice per step, and gives the bytes of the two copies.
@@ -24,11 +24,12 @@ import time
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks.common import open_sessions, prompts, tiny_model, worker_of
 from benchmarks.stats import fmt, fmt_summary, markdown_table, summarize
-from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec
+from ftkit import EngineSession, EngineSpec, RecoveryConfig, SamplingSpec
 
 GREEDY = SamplingSpec(max_tokens=24)
 SEEDED = SamplingSpec(max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
@@ -55,6 +56,10 @@ def record_bytes(obj: Any, _seen: set[int] | None = None) -> int:
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, bytes):
+        return sys.getsizeof(obj)
     if is_dataclass(obj):
         return sys.getsizeof(obj) + sum(
             record_bytes(getattr(obj, f.name), seen) for f in fields(obj)
@@ -128,12 +133,12 @@ def legacy_copy(runner: Any) -> dict[str, Any]:
 def measure_config(max_model_len: int, max_num_seqs: int, plan: Plan) -> dict[str, Any]:
     spec = EngineSpec(model=tiny_model(), max_model_len=max_model_len,
                       args={"max_num_seqs": max_num_seqs})
-    session = EngineSession(spec, multiprocess=False, recovery={"enabled": True})
+    session = EngineSession(spec, multiprocess=False, recovery=RecoveryConfig(enabled=True))
     rows = []
     with open_sessions({"ftkit": session}):
         session.generate(prompts(2), GREEDY)  # builds the recovery engine at its first step
         worker = worker_of(session)
-        probe = Probe(worker._ftkit.tolerance.state)
+        probe = Probe(worker._ftkit.step_wrapper.state)
         runner = worker.model_runner
         workloads = [("greedy", b, GREEDY) for b in plan.batches if b <= max_num_seqs]
         workloads.append(("seeded", workloads[-1][1], SEEDED))

@@ -1,0 +1,102 @@
+"""ftkit: fault tolerance and chaos testing for LLM inference on vLLM and vLLM-Ascend.
+
+The names below are ftkit's public surface: the ``ftkit`` command, the benchmarks and the
+examples use nothing else, and they keep their meaning across releases. Every other module
+is internal by convention and may change::
+
+    import ftkit
+
+    scenario = ftkit.load_scenario("scenarios/link_flap.yaml")
+    with ftkit.ScenarioRunner() as runner:
+        result = runner.run(scenario, file="scenarios/link_flap.yaml")
+    print(result.verdict, result.reason)
+
+Names are imported when first used, so ``import ftkit`` stays cheap (it imports neither vLLM
+nor torch): it runs in every vLLM process, where ftkit's plugin is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    # errors
+    "FtkitError": "ftkit.errors", "ScenarioError": "ftkit.errors",
+    "EngineError": "ftkit.errors", "RecoveryError": "ftkit.errors",
+    "ReinferenceExhausted": "ftkit.errors", "RecoveryInconsistent": "ftkit.errors",
+    "InjectionError": "ftkit.errors", "RunTimeout": "ftkit.errors",
+    # scenarios
+    "Scenario": "ftkit.scenario", "FaultSpec": "ftkit.scenario", "EngineSpec": "ftkit.scenario",
+    "ScenarioErrors": "ftkit.scenario", "FORMAT_VERSION": "ftkit.scenario",
+    "load_scenario": "ftkit.scenario", "load_scenarios": "ftkit.scenario",
+    "load_scenario_text": "ftkit.scenario", "scenario_json_schema": "ftkit.scenario",
+    "random_prompts": "ftkit.scenario",
+    # fault kinds
+    "FaultKind": "ftkit.faults", "KIND_SPECS": "ftkit.kinds", "kind_spec": "ftkit.kinds",
+    # running scenarios
+    "ScenarioRunner": "ftkit.runner", "run_scenario": "ftkit.runner",
+    "ProgressEvent": "ftkit.progress", "EventSink": "ftkit.progress",
+    # results and reports
+    "ScenarioResult": "ftkit.results", "Verdict": "ftkit.results",
+    "planned_faults": "ftkit.verify",
+    "SkippedScenario": "ftkit.report", "write_json_report": "ftkit.report",
+    "write_junit_report": "ftkit.report", "write_html_report": "ftkit.report",
+    "read_json_report": "ftkit.report", "results_from_report": "ftkit.report",
+    "skipped_from_report": "ftkit.report", "TABLE_COLUMNS": "ftkit.report",
+    "table_cells": "ftkit.report", "verdict_label": "ftkit.report",
+    # engines, recovery settings, fault plans and the ranks' event log
+    "EngineSession": "ftkit.vllm.engine", "SamplingSpec": "ftkit.contracts.job",
+    "RecoveryConfig": "ftkit.config", "CONFIG_KEY": "ftkit.config",
+    "FaultPlan": "ftkit.contracts.plan",
+    "read_events": "ftkit.contracts.eventlog", "only": "ftkit.contracts.eventlog",
+    "Event": "ftkit.contracts.eventlog", "FaultFired": "ftkit.contracts.eventlog",
+    "StepRecovered": "ftkit.contracts.eventlog", "RecoveryRound": "ftkit.contracts.eventlog",
+    "KvRecomputed": "ftkit.contracts.eventlog", "ParamsReloaded": "ftkit.contracts.eventlog",
+    # this machine, models
+    "diagnose": "ftkit.doctor", "Diagnosis": "ftkit.doctor", "REAL": "ftkit.doctor",
+    "TINY": "ftkit.model", "build_tiny_model": "ftkit.model", "resolve_model": "ftkit.model",
+    "build_wide_model": "ftkit.model",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ftkit' has no attribute {name!r}")
+    # Not cached here: the name always reflects its module (which tests may replace).
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
+    from ftkit.config import CONFIG_KEY, RecoveryConfig
+    from ftkit.contracts.eventlog import (Event, FaultFired, KvRecomputed, ParamsReloaded,
+                                          RecoveryRound, StepRecovered, only, read_events)
+    from ftkit.contracts.job import SamplingSpec
+    from ftkit.contracts.plan import FaultPlan
+    from ftkit.doctor import REAL, Diagnosis, diagnose
+    from ftkit.errors import (EngineError, FtkitError, InjectionError, RecoveryError,
+                              RecoveryInconsistent, ReinferenceExhausted, RunTimeout,
+                              ScenarioError)
+    from ftkit.faults import FaultKind
+    from ftkit.kinds import KIND_SPECS, kind_spec
+    from ftkit.model import TINY, build_tiny_model, build_wide_model, resolve_model
+    from ftkit.progress import EventSink, ProgressEvent
+    from ftkit.report import (TABLE_COLUMNS, SkippedScenario, read_json_report,
+                              results_from_report, skipped_from_report, table_cells,
+                              verdict_label, write_html_report, write_json_report,
+                              write_junit_report)
+    from ftkit.results import ScenarioResult, Verdict
+    from ftkit.runner import ScenarioRunner, run_scenario
+    from ftkit.scenario import (FORMAT_VERSION, EngineSpec, FaultSpec, Scenario,
+                                ScenarioErrors, load_scenario, load_scenario_text,
+                                load_scenarios, random_prompts, scenario_json_schema)
+    from ftkit.verify import planned_faults
+    from ftkit.vllm.engine import EngineSession

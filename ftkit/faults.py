@@ -10,16 +10,19 @@ Two kinds of exceptions meet here:
 ``classify`` looks at the exception type first and at the message second, and returns the
 ``FaultKind`` the recovery engine should handle, or ``None`` for an error that is not a
 transient fault (a bug, a bad request): those are never retried.
+
+What ftkit knows about each kind (its params, rules, injector, damage assessment, doctor
+row) is registered in ``ftkit.kinds``; ``FaultKind`` here is only the vocabulary.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 
 class FaultKind(str, enum.Enum):
-    """The faults a scenario can inject and the recovery engine can handle."""
+    """The faults a scenario can inject and the recovery engine can handle (each one's
+    module in ``ftkit.kinds`` says what it is: ``ftkit.kinds.kind_spec``)."""
 
     LINK_BREAK = "link_break"
     LINK_FLAP = "link_flap"
@@ -31,43 +34,6 @@ class FaultKind(str, enum.Enum):
 
     def __str__(self) -> str:  # "link_flap", not "FaultKind.LINK_FLAP", in messages
         return self.value
-
-
-@dataclass(frozen=True)
-class KindInfo:
-    kind: FaultKind
-    summary: str
-    implemented: bool
-    #: The fault is about a collective link, so it needs at least two ranks.
-    collective: bool = False
-
-
-KINDS: dict[FaultKind, KindInfo] = {
-    info.kind: info
-    for info in (
-        KindInfo(FaultKind.LINK_BREAK, "the collective link of one rank breaks once: it raises "
-                 "a network error, its peers block in the collective until recovery stops them",
-                 implemented=True, collective=True),
-        KindInfo(FaultKind.LINK_FLAP, "a link break that repeats on `times` consecutive "
-                 "attempts of the same step", implemented=True, collective=True),
-        KindInfo(FaultKind.DEVICE_RESET, "the device is force-stopped (FORCE STOP) and "
-                 "restarted; its KV cache is lost and recomputed for every running request",
-                 implemented=True),
-        KindInfo(FaultKind.UCE, "an uncorrectable memory error in the KV cache, the weights "
-                 "or the activations (params.region); only what was hit is repaired",
-                 implemented=True),
-        KindInfo(FaultKind.HANG, "an operator never returns until the operator timeout "
-                 "(params.op_timeout_s) or the monitor ends it", implemented=True),
-        KindInfo(FaultKind.OOM, "an allocation fails inside the step (the out-of-memory "
-                 "error class); what can be released is released and the step re-run",
-                 implemented=True),
-        KindInfo(FaultKind.PROCESS_KILL, "a worker or the engine core (params.target) is "
-                 "killed with SIGKILL; the engine restarts and resumes every request",
-                 implemented=True),
-    )
-}
-
-IMPLEMENTED_KINDS = frozenset(k for k, info in KINDS.items() if info.implemented)
 
 
 # --- the errors the CPU backend raises, modelled on torch_npu's -----------------------------

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftkit.contracts.job import EngineRestart
 
 
 @dataclass
@@ -83,16 +86,13 @@ class RunOutput:
     engine_start_s: float = 0.0
     generate_s: float = 0.0
     #: Wall-clock time (``time.time()``) when the workload was submitted: the zero of every
-    #: token time, and the reference for the ranks' journal events.
+    #: token time, and the reference for the times of the ranks' event log.
     started_at: float | None = None
-    #: Pids of every process the run started; all were reaped when the run returned.
-    pids: list[int] = field(default_factory=list)
     from_cache: bool = False
     #: The run id the engine host gave the workload (fault events carry it).
     run_id: str | None = None
-    #: Engine restarts after a process died (``GenerateResult.restarts``): ``died_at_s``,
-    #: ``restart_s``, ``resumed_at_s``, ``resumed_requests``, ``error``.
-    restarts: list[dict[str, Any]] = field(default_factory=list)
+    #: Engine restarts after a process died, in order.
+    restarts: list[EngineRestart] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

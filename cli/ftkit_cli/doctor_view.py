@@ -6,7 +6,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from ftkit.doctor import REAL, Diagnosis
+from ftkit import REAL, Diagnosis
 
 __all__ = ["DoctorReport"]
 

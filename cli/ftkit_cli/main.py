@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -34,13 +33,10 @@ from typing import Any
 import click
 from rich.console import Console
 
-from ftkit.errors import FtkitError
-from ftkit.events import EventSink
-from ftkit.faults import KINDS
-from ftkit.report.journal import SkippedScenario
-from ftkit.results import ScenarioResult, Verdict
-from ftkit.verify import planned_faults
+from ftkit import (KIND_SPECS, EventSink, FtkitError, ScenarioResult, SkippedScenario, Verdict,
+                   planned_faults)
 from ftkit_cli.render import RunProgress, VerdictReport, error_lines
+from ftkit_cli.select import name_matcher
 
 __all__ = [
     "EXIT_FAILED",
@@ -192,7 +188,7 @@ def _unrun(scenarios: Sequence[tuple[str, Any]], done: int, reason: str
 
 def _load_all(paths: list[str], err: Console) -> list[tuple[str, Any]]:
     """Every scenario named by the arguments, or exit 2 after printing the errors."""
-    from ftkit.scenario import load_scenarios
+    from ftkit import load_scenarios
 
     try:
         scenarios = load_scenarios(paths)
@@ -211,7 +207,7 @@ def _scenario_runner() -> Iterator[Runner]:
     every engine is shut down when the block ends, also on Ctrl-C), or a stand-in that
     reports why the runner cannot be had."""
     try:
-        from ftkit.runner import ScenarioRunner
+        from ftkit import ScenarioRunner
     except ImportError as exc:
         problem = exc
 
@@ -247,7 +243,7 @@ def _write_reports(results: Sequence[ScenarioResult], skipped: Sequence[SkippedS
 
     From ``report`` (a loaded journal) when given, else from ``results`` and ``skipped``.
     """
-    from ftkit.report import write_html_report, write_json_report, write_junit_report
+    from ftkit import write_html_report, write_json_report, write_junit_report
 
     source: Any = results if report is None else report
     writers = (("JSON", json_path, write_json_report, results),
@@ -287,69 +283,6 @@ def _select(scenarios: list[tuple[str, Any]], pattern: str | None,
     return selected
 
 
-_K_TOKEN = re.compile(r"\(|\)|[^\s()]+")
-_K_KEYWORDS = {"and", "or", "not"}
-
-
-def name_matcher(expression: str) -> Callable[[str], bool]:
-    """A predicate on scenario names for ``-k EXPRESSION``, like pytest's ``-k``.
-
-    A word matches a name that contains it (case-insensitive). Words combine with ``not``,
-    ``and``, ``or`` (in that precedence) and parentheses: ``oom and not (flap or exhausted)``.
-    Raises ``ValueError`` for an empty or malformed expression.
-    """
-    tokens = _K_TOKEN.findall(expression)
-    if not tokens:
-        raise ValueError("empty expression")
-    position = 0
-
-    def peek() -> str | None:
-        return tokens[position] if position < len(tokens) else None
-
-    def take() -> str:
-        nonlocal position
-        token = peek()
-        if token is None:
-            raise ValueError("unexpected end of expression")
-        position += 1
-        return token
-
-    def either() -> Callable[[str], bool]:
-        parts = [both()]
-        while peek() == "or":
-            take()
-            parts.append(both())
-        return lambda name: any(part(name) for part in parts)
-
-    def both() -> Callable[[str], bool]:
-        parts = [negation()]
-        while peek() == "and":
-            take()
-            parts.append(negation())
-        return lambda name: all(part(name) for part in parts)
-
-    def negation() -> Callable[[str], bool]:
-        token = take()
-        if token == "not":
-            inner = negation()
-            return lambda name: not inner(name)
-        if token == "(":
-            inner = either()
-            if peek() != ")":
-                raise ValueError("missing ')'")
-            take()
-            return inner
-        if token in _K_KEYWORDS or token == ")":
-            raise ValueError(f"unexpected {token!r}")
-        word = token.lower()
-        return lambda name: word in name.lower()
-
-    predicate = either()
-    if position != len(tokens):
-        raise ValueError(f"unexpected {tokens[position]!r}")
-    return predicate
-
-
 # --- report ---------------------------------------------------------------------------------
 
 @ftkit.command("report")
@@ -363,7 +296,7 @@ def report_command(journal: Path, html_path: Path | None, junit_path: Path | Non
 
     Prints the verdict table and writes the HTML and JUnit reports that are asked for.
     """
-    from ftkit.report import read_json_report, results_from_report, skipped_from_report
+    from ftkit import read_json_report, results_from_report, skipped_from_report
 
     err = _stderr()
     try:
@@ -388,7 +321,7 @@ def validate_command(paths: tuple[str, ...]) -> None:
 
     Prints "ok: FILE (name)" for each valid scenario and every error of the others.
     """
-    from ftkit.scenario import load_scenario, load_scenarios
+    from ftkit import load_scenario, load_scenarios
 
     err = _stderr()
     valid = True
@@ -414,7 +347,7 @@ def validate_command(paths: tuple[str, ...]) -> None:
 @ftkit.command("schema")
 def schema_command() -> None:
     """Print the JSON Schema of scenario files."""
-    from ftkit.scenario import scenario_json_schema
+    from ftkit import scenario_json_schema
 
     click.echo(json.dumps(scenario_json_schema(), indent=2))
 
@@ -422,10 +355,10 @@ def schema_command() -> None:
 @ftkit.command("list")
 def list_command() -> None:
     """List the fault kinds a scenario can inject."""
-    width = max(len(kind.value) for kind in KINDS)
-    for kind, info in KINDS.items():
-        status = "implemented" if info.implemented else "not implemented yet"
-        click.echo(f"{kind.value:<{width}}  {status:<19}  {info.summary}")
+    width = max(len(kind.value) for kind in KIND_SPECS)
+    for kind, spec in KIND_SPECS.items():
+        status = "implemented" if spec.implemented else "not implemented yet"
+        click.echo(f"{kind.value:<{width}}  {status:<19}  {spec.summary}")
 
 
 # --- doctor ---------------------------------------------------------------------------------
@@ -450,7 +383,7 @@ def doctor_command(as_json: bool, expect_platform: str | None) -> None:
     import contextlib
     import sys
 
-    from ftkit.doctor import diagnose
+    from ftkit import diagnose
 
     # vLLM logs to stdout while it is imported; keep stdout for the report (and its JSON).
     with contextlib.redirect_stdout(sys.stderr):
@@ -479,7 +412,7 @@ def model_group() -> None:
               help="Write the model here instead of the cache directory.")
 def model_build_command(out: Path | None) -> None:
     """Build the tiny Llama model and tokenizer; print its directory."""
-    from ftkit.model import build_tiny_model
+    from ftkit import build_tiny_model
 
     try:
         path = build_tiny_model(out)

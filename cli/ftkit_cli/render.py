@@ -24,10 +24,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from ftkit.events import ProgressEvent
-from ftkit.report.journal import SkippedScenario
-from ftkit.report.table import TABLE_COLUMNS, table_cells, verdict_label
-from ftkit.results import ScenarioResult, Verdict
+from ftkit import (TABLE_COLUMNS, ProgressEvent, ScenarioResult, SkippedScenario, Verdict,
+                   table_cells, verdict_label)
 
 __all__ = [
     "SKIPPED_STYLE",

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from ftkit.backends.base import Capability, CommGroup, MemoryFault
 from ftkit.faults import CommunicationStopped, LinkError, OperatorTimeout
 from ftkit.bounds import COLLECTIVE_STOP_SLICE_S
+from ftkit.kinds import KIND_SPECS
 
 log = logging.getLogger("ftkit")
 
@@ -31,7 +32,7 @@ COMMUNICATOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "reduce_s
                             "all_to_all")
 
 #: Fault kinds that are about a collective link (the communicators' links are rebuilt).
-LINK_KINDS = frozenset({"link_break", "link_flap"})
+LINK_KINDS = frozenset(kind.value for kind, spec in KIND_SPECS.items() if spec.collective)
 
 #: Marks a communicator method ftkit wrapped, so that a second ``take_over`` does not wrap
 #: it twice.
@@ -39,7 +40,7 @@ _WRAPPED = "__ftkit_collective__"
 
 
 class EmulatedFaults:
-    """The injector's fault model for what cannot be caused for real (``ftkit.inject``).
+    """The injector's fault model for what cannot be caused for real (``ftkit.kinds``).
 
     ``stopped`` is the backend's own stop flag (``stop_communication``): an emulated hung
     operator ends when it is set, as a real one ends when the device is stopped.
@@ -89,8 +90,9 @@ class EmulatedFaults:
 
 
 class EmulatedFaultModel:
-    """The parts of the injector's fault model (``ftkit.inject.FaultModel``) a hardware backend
-    emulates: a broken link, a hung operator, a reported memory error (``self.faults``)."""
+    """The parts of the injector's fault model (``ftkit.kinds.base.FaultModel``) a hardware
+    backend emulates: a broken link, a hung operator, a reported memory error
+    (``self.faults``)."""
 
     faults: EmulatedFaults
 

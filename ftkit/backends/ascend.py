@@ -48,7 +48,7 @@ Capability probing: an API the installed torch_npu lacks disables the recovery s
 needs it, with one warning (logger ``ftkit``) when the backend is built; ``capabilities()``
 says why. Nothing crashes at start; a round that needs a missing step fails with that reason.
 
-Faults a scenario injects here (the ``FaultModel`` of ``ftkit.inject``): a device reset is a
+Faults a scenario injects here (the ``FaultModel`` of ``ftkit.kinds.base``): a device reset is a
 real ``stop_device`` of the faulty rank's device; a broken link, a hung operator and a memory
 error are emulated (``ftkit.backends._common``), and recovery from them is real.
 """
@@ -84,15 +84,10 @@ from ftkit.backends.base import (
 )
 from ftkit.errors import FtkitError, InjectionError
 from ftkit.faults import CommunicationStopped, SimulatedFault
+from ftkit.kinds.base import any_kind
 
 log = logging.getLogger("ftkit")
 
-#: Fault kinds after which the device is restarted even on a rank that was not stopped: the
-#: error left the device's task queue in an exit state (torch_npu's SUSPECT_REMOTE_EXIT,
-#: HCCL_OP_RETRY_EXIT, UCE_EXIT, ...) that only ``restart_device`` clears.
-RESTART_KINDS = frozenset({"link_break", "link_flap", "device_reset", "uce", "hang"})
-#: Fault kinds after which the device's streams are rebuilt too (``rebuild_all_resources``).
-REBUILD_STREAMS_KINDS = frozenset({"device_reset", "hang"})
 
 #: What ``check_uce_in_memory`` answers (torch_npu/csrc/npu/Module.cpp).
 UCE_MEMORY_TYPES = {
@@ -318,11 +313,15 @@ class AscendBackend(EmulatedFaultModel):
     def recover_device(self, kinds: tuple[str, ...]) -> None:
         self._bind_thread()
         stopped = self._stopped.is_set() or self._device_fault is not None
-        if stopped or RESTART_KINDS.intersection(kinds):
-            self._restart(rebuild_streams=bool(REBUILD_STREAMS_KINDS.intersection(kinds)))
+        # Which kinds restart the device (their error left its task queue in an exit state
+        # only ``restart_device`` clears) and rebuild its streams: each kind's DeviceRecovery.
+        if stopped or any_kind(kinds, lambda spec: spec.device.restart):
+            streams = any_kind(kinds, lambda spec: spec.device.rebuild_streams)
+            self._restart(rebuild_streams=streams)
             self._device_fault = None
             self.faults.restarted()
-        if "oom" in kinds and self.api.empty_cache is not None:
+        if any_kind(kinds, lambda spec: spec.device.release_memory) \
+                and self.api.empty_cache is not None:
             self.api.empty_cache()
 
     def _restart(self, rebuild_streams: bool) -> None:

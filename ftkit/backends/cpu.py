@@ -46,6 +46,7 @@ from ftkit.backends.base import (
     CommGroup,
     MemoryFault,
 )
+from ftkit.kinds.base import any_kind
 from ftkit.faults import CommunicationStopped, ForceStopError, OperatorTimeout
 from ftkit.bounds import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
@@ -174,10 +175,6 @@ class CpuBackend(EmulatedFaultModel):
     # --- the fault model --------------------------------------------------------------------
 
     @property
-    def link_is_down(self) -> bool:
-        return self.faults.link_down is not None
-
-    @property
     def op_timeout_s(self) -> float | None:
         """Bound of a simulated hung operator and of a collective (``set_op_timeout``)."""
         return self.faults.op_timeout_s
@@ -264,7 +261,7 @@ class CpuBackend(EmulatedFaultModel):
             self._device_stopped = None
         # The restart: what the reset destroyed is gone now; reported errors are handled.
         self.faults.restarted()
-        if "oom" in kinds:
+        if any_kind(kinds, lambda spec: spec.device.release_memory):
             # What an oom can give back on CPU is garbage in reference cycles (there is no
             # caching allocator to empty). The young generations hold what recent steps
             # allocated; a full collection would also scan the worker's whole long-lived heap

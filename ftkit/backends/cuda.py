@@ -78,6 +78,7 @@ from ftkit.backends.base import (
     MemoryFault,
 )
 from ftkit.errors import FtkitError
+from ftkit.kinds.base import any_kind
 from ftkit.faults import CommunicationStopped, OperatorTimeout
 from ftkit.bounds import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
@@ -284,7 +285,7 @@ class CudaBackend(EmulatedFaultModel):
     def recover_device(self, kinds: tuple[str, ...]) -> None:
         self._device_fault = None
         self.faults.restarted()
-        if "oom" in kinds and self.api.cuda:
+        if any_kind(kinds, lambda spec: spec.device.release_memory) and self.api.cuda:
             torch.cuda.empty_cache()
 
     def rebuild_communicators(self, timeout_s: float, kinds: tuple[str, ...] = ()) -> None:

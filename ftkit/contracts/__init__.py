@@ -13,6 +13,8 @@ payloads by key strings.
 ``eventlog``              the ranks' event log: ``FaultFired``, ``StepRecovered``,
                           ``RecoveryRound``, ``KvRecomputed``, ``ParamsReloaded``; one writer
                           (``EventLog``) and one reader (``read_events``)
+``requests``              the ids of a run's requests (``request_id``, ``parse_request_id``):
+                          how the runner names them and a worker's injector finds them
 ``job``                   ``EngineJob`` / ``JobResult``: what the scenario runner sends to an
                           engine host process and what it gets back
 ========================  =====================================================================

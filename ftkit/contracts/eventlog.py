@@ -119,7 +119,8 @@ class RecoveryRound(Event):
     kv_lost_all: bool = False
     kv_lost_blocks: int = 0
     reload_params: list[str] = field(default_factory=list)
-    #: Seconds from the peer's fault until this rank's monitor stopped it, if it was.
+    #: ``time.time()`` when this rank's monitor stopped its step for this round (when it
+    #: learnt of a peer's fault), if it did.
     stop_requested: float | None = None
     statuses_s: float | None = None
     rebuild_s: float | None = None

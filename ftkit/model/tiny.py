@@ -18,7 +18,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ftkit.errors import FtkitError
 
@@ -133,22 +135,23 @@ def _build_tokenizer(out: Path) -> int:
     return tok.get_vocab_size()
 
 
-def _build_weights(out: Path, vocab: int) -> None:
+def _build_weights(out: Path, vocab: int, config: dict[str, Any] = CONFIG,
+                   std: float = WEIGHT_STD) -> None:
     import torch
     from safetensors.torch import save_file
 
-    h = CONFIG["hidden_size"]
-    inter = CONFIG["intermediate_size"]
-    heads = CONFIG["num_attention_heads"]
-    kv_heads = CONFIG["num_key_value_heads"]
-    hd = CONFIG["head_dim"]
+    h = config["hidden_size"]
+    inter = config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config["num_key_value_heads"]
+    hd = config["head_dim"]
     gen = torch.Generator().manual_seed(WEIGHT_SEED)
 
     def draw(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * WEIGHT_STD).contiguous()
+        return (torch.randn(*shape, generator=gen) * std).contiguous()
 
     tensors = {"model.embed_tokens.weight": draw(vocab, h)}
-    for layer in range(CONFIG["num_hidden_layers"]):
+    for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         tensors[f"{p}.input_layernorm.weight"] = torch.ones(h)
         tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
@@ -164,14 +167,14 @@ def _build_weights(out: Path, vocab: int) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _write_model(out: Path) -> None:
+def _write_model(out: Path, config: dict[str, Any] = CONFIG, std: float = WEIGHT_STD) -> None:
     vocab = _build_tokenizer(out)
-    config = dict(CONFIG, vocab_size=vocab)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    written = dict(config, vocab_size=vocab)
+    (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2) + "\n"
     )
-    _build_weights(out, vocab)
+    _build_weights(out, vocab, config, std)
 
 
 _COMPLETE_MARK = ".ftkit-complete"
@@ -184,14 +187,21 @@ def build_tiny_model(out: str | Path | None = None) -> Path:
     With ``out`` it is written there (the directory is created; existing files replaced).
     The write is atomic: a partially written model is never seen under the final name.
     """
-    target = Path(out) if out is not None else cache_root() / "models" / f"tiny-{recipe_digest()}"
+    return build_cached("tiny", recipe_digest(), _write_model, out)
+
+
+def build_cached(name: str, digest: str, write: Callable[[Path], None],
+                 out: str | Path | None = None) -> Path:
+    """Build a model with ``write`` into ``out`` or, without it, into the content-addressed
+    cache directory ``<cache>/models/<name>-<digest>`` (once); atomic either way."""
+    target = Path(out) if out is not None else cache_root() / "models" / f"{name}-{digest}"
     if (target / _COMPLETE_MARK).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-build-", dir=target.parent))
     try:
-        _write_model(staging)
-        (staging / _COMPLETE_MARK).write_text(recipe_digest() + "\n")
+        write(staging)
+        (staging / _COMPLETE_MARK).write_text(digest + "\n")
         if target.exists():
             shutil.rmtree(target)
         try:

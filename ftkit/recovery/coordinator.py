@@ -15,12 +15,12 @@ same decision without another exchange: re-run (``recompute``) or surface the fa
 
 Re-running is exact only when the ranks will issue the same collectives afterwards. Collectives
 live in ``execute_model`` only (sampling is rank-local in vLLM), so ranks may stand one RPC apart
-as long as the one behind is at a sampling RPC or idle. Anything else is refused with a reason
-rather than risking desynchronised collectives.
+as long as the one behind is at a sampling RPC or idle. Anything else is refused (a ``Cause``,
+and a reason for people) rather than risking desynchronised collectives.
 
-The side channel is a key-value store (the job's TCP store), not a process group: it has no
-collective sequence to desynchronise, every wait on it has a timeout, and a lost peer turns into
-a timeout, that is, into a clean ``raise``.
+The side channel (``ftkit.recovery.channel``) is a key-value store (the job's TCP store), not a
+process group: it has no collective sequence to desynchronise, every wait on it has a timeout,
+and a lost peer turns into a timeout, that is, into a clean ``raise``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
-from typing import Protocol
 
-from ftkit.faults import KINDS, FaultKind
+from ftkit.contracts.step import RpcKind
+from ftkit.errors import RecoveryError, RecoveryInconsistent, ReinferenceExhausted
+from ftkit.recovery.channel import SideChannel
 
 
 class RankState(str, enum.Enum):
@@ -41,12 +41,6 @@ class RankState(str, enum.Enum):
     STOPPED = "stopped"
     COMPLETED = "completed"
     IDLE = "idle"
-
-
-class RpcKind(str, enum.Enum):
-    EXECUTE = "execute"
-    SAMPLE = "sample"
-    NONE = ""
 
 
 @dataclass(frozen=True)
@@ -105,9 +99,40 @@ class Action(str, enum.Enum):
     RAISE = "raise"
 
 
+class Cause(str, enum.Enum):
+    """Why a round decided what it did; callers choose on this, never on ``reason``'s text."""
+
+    #: Every rank can re-run (the cause of every ``recompute``).
+    RERUN = "rerun"
+    #: A rank's error is not a fault ftkit handles.
+    NOT_A_FAULT = "not_a_fault"
+    #: A rank cannot repair what its fault destroyed.
+    UNREPAIRABLE = "unrepairable"
+    #: A step failed more often than ``max_reinference`` allows.
+    REINFERENCE_EXHAUSTED = "reinference_exhausted"
+    #: The ranks stand at positions from which no common re-run is exact.
+    OUT_OF_STEP = "out_of_step"
+    #: A rank did not report within the round's bound (it died or hangs).
+    PEER_SILENT = "peer_silent"
+    #: A rank did not finish the rebuild within the round's bound.
+    PEER_UNFINISHED = "peer_unfinished"
+    #: This rank's part of the round raised (its rebuild failed, say).
+    ROUND_FAILED = "round_failed"
+
+
+#: The error a ``raise`` of each cause surfaces as (``RecoveryError`` for the others).
+_ERRORS: dict[Cause, type[RecoveryError]] = {
+    Cause.REINFERENCE_EXHAUSTED: ReinferenceExhausted,
+    Cause.OUT_OF_STEP: RecoveryInconsistent,
+}
+
+
 @dataclass(frozen=True)
 class Decision:
+    """What a round decided, the same on every rank; ``reason`` is for people to read."""
+
     action: Action
+    cause: Cause
     reason: str
     #: Fault kinds reported as own faults in this round (for device recovery and records).
     kinds: tuple[str, ...] = ()
@@ -116,6 +141,11 @@ class Decision:
     @property
     def recompute(self) -> bool:
         return self.action is Action.RECOMPUTE
+
+    @property
+    def error(self) -> type[RecoveryError]:
+        """The class of ``ftkit.errors`` that a ``raise`` of this decision surfaces as."""
+        return _ERRORS.get(self.cause, RecoveryError)
 
     @property
     def kv_lost_all(self) -> bool:
@@ -136,24 +166,28 @@ def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
     statuses = tuple(sorted(statuses, key=lambda s: s.rank))
     kinds = tuple(sorted({s.kind for s in statuses if s.state is RankState.FAILED and s.kind}))
 
-    def verdict(action: Action, reason: str) -> Decision:
-        return Decision(action, reason, kinds, statuses)
+    def rerun(reason: str) -> Decision:
+        return Decision(Action.RECOMPUTE, Cause.RERUN, reason, kinds, statuses)
+
+    def refuse(cause: Cause, reason: str) -> Decision:
+        return Decision(Action.RAISE, cause, reason, kinds, statuses)
 
     failed = [s for s in statuses if s.state is RankState.FAILED]
     if not failed and not any(s.state is RankState.STOPPED for s in statuses):
         # Nobody reports a failure: an announcement without a fault (cannot happen unless a
         # rank died between announcing and reporting). Re-running nothing is harmless.
-        return verdict(Action.RECOMPUTE, "no rank reports a failure")
+        return rerun("no rank reports a failure")
     for s in failed:
         if s.kind is None:
-            return verdict(Action.RAISE, f"rank {s.rank}: error is not a transient fault: {s.error}")
+            return refuse(Cause.NOT_A_FAULT,
+                          f"rank {s.rank}: error is not a transient fault: {s.error}")
         if s.unrecoverable:
-            return verdict(Action.RAISE, f"rank {s.rank}: {s.kind} cannot be repaired: "
-                                         f"{s.unrecoverable}")
+            return refuse(Cause.UNREPAIRABLE, f"rank {s.rank}: {s.kind} cannot be repaired: "
+                                              f"{s.unrecoverable}")
     for s in statuses:
         if s.reruns and s.failures > max_reinference:
-            return verdict(
-                Action.RAISE,
+            return refuse(
+                Cause.REINFERENCE_EXHAUSTED,
                 f"rank {s.rank}: step {s.step} ({s.rpc_kind.value}) failed {s.failures} times; "
                 f"max_reinference is {max_reinference}",
             )
@@ -163,90 +197,23 @@ def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
             continue
         behind_at_collectives = s.reruns and s.rpc_kind is RpcKind.EXECUTE
         if s.next_rpc < newest - 1 or behind_at_collectives:
-            return verdict(
-                Action.RAISE,
+            return refuse(
+                Cause.OUT_OF_STEP,
                 f"ranks are out of step: rank {s.rank} would re-run RPC {s.next_rpc} "
                 f"({s.rpc_kind.value or 'idle'}) while another rank is at RPC {newest}; "
                 "its collectives have no partner",
             )
-    what = ", ".join(f"rank {s.rank} {s.state.value}" for s in statuses)
-    return verdict(Action.RECOMPUTE, what)
-
-
-# --- the side channel -------------------------------------------------------------------------
-
-class SideChannel(Protocol):
-    """A key-value store every rank reaches. Each thread uses its own client."""
-
-    def set(self, key: str, value: str) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def wait(self, keys: list[str], timeout_s: float) -> bool: ...
-    def has(self, key: str) -> bool: ...
-
-
-class StoreChannel:
-    """A ``SideChannel`` over a ``torch.distributed`` store (a private client of it)."""
-
-    def __init__(self, store, prefix: str = "ftkit/") -> None:
-        import torch.distributed as dist
-
-        self._store = dist.PrefixStore(prefix, store)
-
-    def set(self, key: str, value: str) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._store.get(key)
-
-    def wait(self, keys: list[str], timeout_s: float) -> bool:
-        import torch.distributed as dist
-
-        try:
-            self._store.wait(keys, timedelta(seconds=timeout_s))
-            return True
-        except dist.DistStoreError as exc:
-            if "timeout" in str(exc).lower():
-                return False
-            raise
-
-    def has(self, key: str) -> bool:
-        return self._store.check([key])
-
-
-class MemoryChannel:
-    """An in-process ``SideChannel`` for a world of one (and for unit tests)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
-
-    def set(self, key: str, value: str) -> None:
-        with self._cond:
-            self._data[key] = value.encode()
-            self._cond.notify_all()
-
-    def get(self, key: str) -> bytes:
-        with self._cond:
-            return self._data[key]
-
-    def wait(self, keys: list[str], timeout_s: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: all(k in self._data for k in keys), timeout_s)
-
-    def has(self, key: str) -> bool:
-        with self._cond:
-            return key in self._data
+    return rerun(", ".join(f"rank {s.rank} {s.state.value}" for s in statuses))
 
 
 def trigger_key(epoch: int) -> str:
+    """The key whose setting announces round ``epoch`` to every rank's monitor."""
     return f"round/{epoch}/trigger"
 
 
 @dataclass
 class RoundTimes:
-    """Where one rank's part of its last round went, in seconds (for the event log)."""
+    """Where one rank's part of one round went, in seconds (for the event log)."""
 
     #: From this rank's report until every rank's report had arrived.
     statuses_s: float = 0.0
@@ -254,13 +221,22 @@ class RoundTimes:
     rebuild_s: float = 0.0
     #: After its own rebuild, waiting for every rank to finish theirs.
     peers_done_s: float = 0.0
+    #: The parts of the rebuild, filled in by the rebuild itself (``None``: not run).
+    device_s: float | None = None
+    comms_s: float | None = None
+    repair_s: float | None = None
+
+
+#: Rebuilds this rank after a ``recompute`` decision, filling in the parts of ``RoundTimes``
+#: it measures; it runs on every rank, in whichever thread takes part in the round.
+Rebuild = Callable[[Decision, RoundTimes], None]
 
 
 class Coordinator:
     """Runs one rank's part of a recovery round over a side channel."""
 
     def __init__(self, rank: int, world_size: int, *, max_reinference: int,
-                 round_timeout_s: float, rebuild: Callable[[Decision], None]) -> None:
+                 round_timeout_s: float, rebuild: Rebuild) -> None:
         self.rank = rank
         self.world_size = world_size
         self.max_reinference = max_reinference
@@ -283,14 +259,15 @@ class Coordinator:
         keys = [f"{base}/status/{r}" for r in range(self.world_size)]
         if not channel.wait(keys, self.round_timeout_s):
             missing = [r for r, k in enumerate(keys) if not channel.has(k)]
-            return Decision(Action.RAISE, f"rank(s) {missing} did not report within "
+            return Decision(Action.RAISE, Cause.PEER_SILENT,
+                            f"rank(s) {missing} did not report within "
                             f"{self.round_timeout_s:g} s", (), (status,))
         times.statuses_s = time.monotonic() - started
         statuses = [RankStatus.from_json(channel.get(k)) for k in keys]
         decision = decide(statuses, self.max_reinference)
         if decision.recompute:
             rebuild_started = time.monotonic()
-            self._rebuild(decision)
+            self._rebuild(decision, times)
             times.rebuild_s = time.monotonic() - rebuild_started
         channel.set(f"{base}/done/{self.rank}", decision.action.value)
         done = [f"{base}/done/{r}" for r in range(self.world_size)]
@@ -298,17 +275,7 @@ class Coordinator:
         arrived = channel.wait(done, self.round_timeout_s)
         times.peers_done_s = time.monotonic() - done_started
         if not arrived:
-            return Decision(Action.RAISE, f"peers did not finish round {epoch} within "
+            return Decision(Action.RAISE, Cause.PEER_UNFINISHED,
+                            f"peers did not finish round {epoch} within "
                             f"{self.round_timeout_s:g} s", decision.kinds, decision.statuses)
         return decision
-
-
-def is_collective_kind(kind: str | None) -> bool:
-    try:
-        return kind is not None and KINDS[FaultKind(kind)].collective
-    except ValueError:
-        return False
-
-
-def monotonic() -> float:
-    return time.monotonic()

@@ -71,12 +71,12 @@ class EngineSpec(_Strict):
     model: str = Field("tiny", min_length=1,
                        description='"tiny" (the embedded test model) or a local model directory')
     tensor_parallel_size: int = Field(1, ge=1, description="number of ranks")
-    dtype: Dtype = "float32"
-    max_model_len: int = Field(512, ge=1)
+    dtype: Dtype = Field("float32", description="vLLM dtype")
+    max_model_len: int = Field(512, ge=1, description="passed to vLLM")
     block_size: int = Field(32, gt=0, multiple_of=16,
                             description="KV cache block size; vLLM's CPU backend needs a "
                                         "multiple of 32")
-    seed: int = 0
+    seed: int = Field(0, description="passed to vLLM")
     args: dict[str, JsonValue] = Field(default_factory=dict,
                                        description="further vLLM engine arguments, passed "
                                                    "through unchanged")
@@ -85,20 +85,23 @@ class EngineSpec(_Strict):
 class RandomPrompts(_Strict):
     """Prompts drawn from ftkit's fixed English word list, the same on every machine."""
 
-    count: int = Field(ge=1)
-    min_words: int = Field(5, ge=1)
-    max_words: int = Field(12, ge=1)
-    seed: int = 0
+    count: int = Field(ge=1, description="number of prompts (requests)")
+    min_words: int = Field(5, ge=1, description="fewest words in a prompt")
+    max_words: int = Field(12, ge=1, description="most words in a prompt")
+    seed: int = Field(0, description="seed of the draw")
 
 
 class WorkloadSpec(_Strict):
     """The requests: exactly one of ``prompts`` and ``random_prompts``, and how to sample."""
 
-    prompts: Annotated[list[PromptText], Field(min_length=1)] | None = None
-    random_prompts: RandomPrompts | None = None
+    prompts: Annotated[list[PromptText], Field(min_length=1)] | None = Field(
+        None, description="the requests, one prompt each: request *i* is the *i*-th prompt")
+    random_prompts: RandomPrompts | None = Field(
+        None, description="instead of `prompts`: prompts drawn from a fixed word list, the same "
+                          "on every machine")
     max_tokens: int = Field(64, ge=1, description="output tokens per request")
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling bound")
     seed: int | None = Field(None, description="per-request sampling seed, used when "
                                                "temperature > 0")
 
@@ -123,7 +126,7 @@ class WorkloadSpec(_Strict):
 class RecoverySpec(_Strict):
     """The recovery engine's settings for this run."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="run with the recovery engine on or off")
     max_reinference: int = Field(3, ge=0, description="re-runs of one step before giving "
                                                       "up; 0 means no retry")
 
@@ -139,9 +142,11 @@ class FaultSpec(_Strict):
     """One injected fault."""
 
     # Enums need strict=False to accept their string values from YAML.
-    kind: FaultKind = Field(strict=False)
+    kind: FaultKind = Field(strict=False, description="the fault kind (`ftkit list`; see the "
+                                                      "per-kind params below)")
     rank: Rank = Field(description='the rank that fails, or "all"')
-    at: FaultAt
+    at: FaultAt = Field(description="The engine step that computes output token `token` (0 = "
+                                    "prefill) of `request`.")
     phase: Phase = Field("forward", description="where inside the step the fault fires")
     times: int = Field(1, ge=1, description="consecutive failing attempts of the step")
     params: dict[str, JsonValue] = Field(default_factory=dict, description="kind-specific")
@@ -150,24 +155,31 @@ class FaultSpec(_Strict):
 class ExpectSpec(_Strict):
     """What the run must show to pass."""
 
-    outcome: Outcome = "recovered"
+    outcome: Outcome = Field("recovered", description="`recovered`: the run must finish; "
+                                                      "`failed`: the fault must surface as an "
+                                                      "error")
     tokens: TokenExpectation = Field("identical", description='"prefix": only the tokens '
                                                                "before the fault must match")
-    max_recovery_s: float = Field(10.0, gt=0)
+    max_recovery_s: float = Field(10.0, gt=0, description="upper bound on each recovery round")
     timeout_s: float = Field(300.0, gt=0, description="hard bound on the whole run")
 
 
 class Scenario(_Strict):
     """One scenario: an engine, a workload, the faults to inject and the expected verdict."""
 
-    name: str = Field(pattern=NAME_PATTERN)
-    description: str = ""
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    workload: WorkloadSpec
-    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    name: str = Field(pattern=NAME_PATTERN, description="identifier of the scenario, used in "
+                                                         "reports and by `ftkit run -k`")
+    description: str = Field("", description="free text")
+    engine: EngineSpec = Field(default_factory=EngineSpec,
+                               description="How the vLLM engine is built.")
+    workload: WorkloadSpec = Field(description="The requests: exactly one of `prompts` and "
+                                               "`random_prompts`, and how to sample.")
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec,
+                                   description="The recovery engine's settings for this run.")
     faults: list[FaultSpec] = Field(description="may be empty: the run is then a "
                                                 "determinism check")
-    expect: ExpectSpec = Field(default_factory=ExpectSpec)
+    expect: ExpectSpec = Field(default_factory=ExpectSpec,
+                               description="What the run must show to pass.")
 
     # Where the scenario came from; not part of the format.
     _source: str | None = PrivateAttr(None)

@@ -5,12 +5,11 @@ the field to change. It only reads the scenario; ``Scenario`` runs it when it is
 a ``Scenario`` object never breaks these rules.
 
 The rules, in order: exactly one prompt source, ``min_words <= max_words``; for each fault:
-its kind is implemented, its ``params`` fit its kind (``ftkit.scenario.params``), a link fault
-has a peer (``tensor_parallel_size >= 2``), its rank exists, its request exists, its token is
-computed (``< max_tokens``), a flap repeats (``times >= 2``), a process is killed once
-(``times == 1``), a KV UCE hits a request that holds KV, an activation UCE does not fire in
-sampling; and an expected recovery is possible (recovery enabled and
-``times <= max_reinference``).
+its kind is implemented, its rank exists, its request exists, its token is computed
+(``< max_tokens``), its ``params`` fit its kind (``ftkit.scenario.params``), and its kind's own
+rules (``KindSpec.rules`` in ``ftkit.kinds``: a link fault has a peer, a flap repeats, a process
+is killed once, a KV UCE hits a request that holds KV, ...); and an expected recovery is
+possible (recovery enabled and ``times <= max_reinference``).
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from ftkit.faults import IMPLEMENTED_KINDS, KINDS, FaultKind
+from ftkit.kinds import kind_spec
 from ftkit.scenario.errors import Loc
-from ftkit.scenario.params import PARAMS, parse_params
+from ftkit.scenario.params import params_model, parse_params
 
 if TYPE_CHECKING:
     from ftkit.scenario.model import FaultSpec, Scenario, WorkloadSpec
@@ -57,13 +56,11 @@ def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
     world_size = scenario.engine.tensor_parallel_size
     n_requests = scenario.workload.prompt_count()
     max_tokens = scenario.workload.max_tokens
+    spec = kind_spec(fault.kind)
 
     # A scenario must never look as if it tested a fault that the injector would skip.
-    if fault.kind not in IMPLEMENTED_KINDS:
+    if not spec.implemented:
         found.append((at + ("kind",), f"fault kind '{fault.kind}' is not implemented yet"))
-    if KINDS[fault.kind].collective and world_size < 2:
-        found.append((at + ("kind",), f"link faults need tensor_parallel_size >= 2 "
-                                      f"(engine.tensor_parallel_size is {world_size})"))
     if isinstance(fault.rank, int) and fault.rank >= world_size:
         found.append((at + ("rank",), f"rank {fault.rank} does not exist: the world size "
                                       f"(engine.tensor_parallel_size) is {world_size}"))
@@ -76,22 +73,10 @@ def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
         found.append((at + ("at", "token"),
                       f"token {fault.at.token} is never computed: workload.max_tokens is "
                       f"{max_tokens}, tokens are numbered from 0"))
-    if fault.kind == FaultKind.LINK_FLAP and fault.times < 2:
-        found.append((at + ("times",), "a flap repeats: times must be at least 2"))
-    if fault.kind == FaultKind.PROCESS_KILL and fault.times != 1:
-        found.append((at + ("times",), "a killed process fails no further attempt: times "
-                                       "must be 1 (add another fault to kill it again)"))
     params, params_problems = _params(at, fault)
     found += params_problems
-    if (fault.kind == FaultKind.UCE and params is not None and params.region == "kv"
-            and fault.phase == "before" and fault.at.token == 0):
-        found.append((at + ("at", "token"), "before its prefill a request holds no KV block "
-                                             "to hit: use token >= 1 or phase forward"))
-    if (fault.kind == FaultKind.UCE and params is not None and params.region == "activation"
-            and fault.phase == "sample"):
-        found.append((at + ("phase",), "an activation error during sampling would hit the "
-                                       "step's logits, which only the forward recomputes: use "
-                                       "phase before or forward"))
+    for rule in spec.rules:
+        found += rule(at, fault, params, scenario)
     return found
 
 
@@ -100,7 +85,7 @@ def _params(at: Loc, fault: FaultSpec) -> tuple[Any, list[Problem]]:
     try:
         return parse_params(fault.kind, fault.params), []
     except ValidationError as exc:
-        takes = sorted(PARAMS[fault.kind].model_fields)
+        takes = sorted(params_model(fault.kind).model_fields)
         problems: list[Problem] = []
         for detail in exc.errors():
             loc = at + ("params",) + tuple(detail["loc"])

@@ -106,6 +106,7 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
         wrapped = functools.partial(getattr(ftkit_worker, name), inner)
         setattr(wrapped, _MARK, True)
         setattr(worker, name, wrapped)
-    # Reached by name through collective_rpc (a callable would need insecure pickling).
+    # Reached by name through collective_rpc (a callable would need insecure pickling), with
+    # one argument: the plan as JSON (``FaultPlan.to_json``).
     worker.ftkit_set_fault_plan = ftkit_worker.set_fault_plan
     return ftkit_worker

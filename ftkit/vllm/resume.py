@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ftkit.inject import parse_request_id
+from ftkit.contracts.requests import parse_request_id
 
 
 def fast_forward(runner: Any, done: dict[str, Any]) -> list[str]:

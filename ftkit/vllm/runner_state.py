@@ -6,9 +6,13 @@
 state and to the block table, and registers new requests. Re-running a failed step without
 undoing that corrupts tokens silently, later, whenever the step allocated blocks.
 
-The record taken before a step is small (proportional to the requests the step schedules):
-for each scheduled request, how many block ids each KV group held and how many output tokens
-it had; and which requests are new. Rollback then
+The record taken before a step is small and costs O(1) Python work on a decode step that
+allocates no block: which requests are new, and for each request the step gives new KV blocks
+(``new_block_ids`` not ``None``, not resumed), how many block ids each KV group held. Those are
+the only lists ``_update_states`` appends to on the last pipeline stage, which is every rank
+ftkit supports (``check_supported`` refuses pipeline parallelism): it appends output tokens
+only on earlier stages, and only ``sample_tokens`` appends them otherwise (a test pins this).
+Rollback then
 
 * truncates those lists *in place* (vLLM shares them between views: identity must survive),
 * forgets requests the step introduced,
@@ -21,7 +25,12 @@ it had; and which requests are new. Rollback then
 
 For sampling, the record holds the step's ``execute_model_state`` (``sample_tokens`` clears it
 before it samples), the state of every generator the batch samples with (seeded requests) and
-of the global generator, and each row's token count, so that a re-sample draws the same tokens.
+of the global generator, and each row's token count (a copy of the rows' request ids and of
+the ``num_tokens_no_spec`` array, ``max_num_seqs`` ints), so that a re-sample draws the same
+tokens. Each request's output-token count is derived from it at rollback, by vLLM's invariant
+``num_tokens_no_spec = prompt tokens + output tokens`` of every row before sampling; rollback
+refuses loudly a count the invariant cannot have produced, or rows that moved (a test pins the
+invariant on real steps).
 When any request samples randomly, the logits are copied too: the sampler divides them by the
 temperature and masks them for top-k/top-p *in place*, so a re-sample from the same tensor would
 draw from a different distribution. Greedy batches need no copy (argmax is unaffected).
@@ -32,10 +41,12 @@ parallelism; ``check_supported`` says so at start rather than corrupting a run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import compress
 from typing import Any
 
+import numpy as np
 import torch
 
 from ftkit.errors import FtkitError
@@ -43,23 +54,36 @@ from ftkit.vllm.kv_recompute import KvRecompute, RecomputeReport, empty_batch
 from ftkit.vllm.resume import fast_forward
 
 
-@dataclass
+@dataclass(slots=True)
 class ExecuteRecord:
-    new_req_ids: list[str]
-    #: req_id -> (len of each KV group's block id list, number of output tokens)
-    cached: dict[str, tuple[tuple[int, ...], int]]
-    resumed: set[str]
+    #: Requests the step introduces (not known to the runner before it).
+    new_req_ids: Sequence[str] = ()
+    #: (req_id, len of each KV group's block id list) of every request the step appends
+    #: blocks to; empty on most decode steps.
+    grown: Sequence[tuple[str, tuple[int, ...]]] = ()
 
 
-@dataclass
+#: The record of a step that introduces no request and appends no block (most decode steps).
+_NOTHING_TO_UNDO = ExecuteRecord()
+
+
+@dataclass(slots=True)
 class SampleRecord:
     execute_model_state: Any
-    #: A pristine copy of the logits, kept only when the batch samples randomly.
-    logits: torch.Tensor | None = None
-    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
-    global_rng: torch.Tensor | None = None
-    #: req_id -> (number of output tokens, num_tokens_no_spec of its row)
-    tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: The batch's rows: request id -> row (a copy of ``req_id_to_index``).
+    rows: dict[str, int]
+    #: ``num_tokens_no_spec`` of every row (the whole array's bytes: ``max_num_seqs`` ints).
+    num_tokens: bytes
+    #: What random sampling needs to draw the same tokens again (``None`` when greedy).
+    random: _RandomState | None = None
+
+
+@dataclass(slots=True)
+class _RandomState:
+    #: A pristine copy of the logits.
+    logits: torch.Tensor | None
+    generator_states: dict[int, torch.Tensor]
+    global_rng: torch.Tensor | None
 
 
 def check_supported(runner: Any) -> None:
@@ -71,6 +95,10 @@ def check_supported(runner: Any) -> None:
     if getattr(runner, "use_async_scheduling", getattr(scheduler, "async_scheduling", False)):
         problems.append("asynchronous scheduling is on (set async_scheduling=False; "
                         "vllm serve --no-async-scheduling)")
+    parallel = getattr(runner, "parallel_config", None)
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        problems.append("pipeline parallelism is on (set pipeline_parallel_size=1; "
+                        "vllm serve without --pipeline-parallel-size)")
     if getattr(runner, "speculative_config", None) is not None:
         problems.append("speculative decoding is on (leave speculative_config unset; "
                         "vllm serve without --speculative-config)")
@@ -114,21 +142,30 @@ class V1RunnerState:
         self.kv = KvRecompute(runner)
         self.on_kv_recomputed = on_kv_recomputed
         self._fast_forwarded: dict[str, Any] = {}
+        #: A memoryview of the batch's ``num_tokens_no_spec`` array (``.obj``): it copies the
+        #: array with less work than numpy's own methods (this is on the step's path).
+        self._counts: memoryview | None = None
 
     # --- execute_model ----------------------------------------------------------------------
 
     def begin_execute(self, scheduler_output: Any) -> ExecuteRecord:
+        new_reqs = scheduler_output.scheduled_new_reqs
+        cached = scheduler_output.scheduled_cached_reqs
+        new_block_ids = cached.new_block_ids
+        # Most decode steps allocate no block: one C-level count says so without a loop.
+        if not new_reqs and new_block_ids.count(None) == len(new_block_ids):
+            return _NOTHING_TO_UNDO
         requests = self.runner.requests
-        new = [r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id not in requests]
-        cached_reqs = scheduler_output.scheduled_cached_reqs
-        resumed = set(cached_reqs.resumed_req_ids)
-        cached: dict[str, tuple[tuple[int, ...], int]] = {}
-        for req_id in cached_reqs.req_ids:
-            state = requests.get(req_id)
+        new = [r.req_id for r in new_reqs if r.req_id not in requests] if new_reqs else ()
+        grown = []
+        resumed = cached.resumed_req_ids
+        # Only the requests that get blocks (``compress`` skips the ``None`` entries in C).
+        for req_id in compress(cached.req_ids, new_block_ids):
+            # A resumed request's block ids are replaced wholesale (by the re-run too).
+            state = requests.get(req_id) if req_id not in resumed else None
             if state is not None:
-                cached[req_id] = (tuple(len(ids) for ids in state.block_ids),
-                                  len(state.output_token_ids))
-        return ExecuteRecord(new, cached, resumed)
+                grown.append((req_id, tuple(map(len, state.block_ids))))
+        return ExecuteRecord(new, grown)
 
     def rollback_execute(self, record: ExecuteRecord) -> None:
         runner = self.runner
@@ -138,15 +175,13 @@ class V1RunnerState:
             runner.num_prompt_logprobs.pop(req_id, None)
             if state is not None and hasattr(runner, "_on_request_state_removed"):
                 runner._on_request_state_removed(req_id, state)
-        for req_id, (block_lens, num_output) in record.cached.items():
+        for req_id, block_lens in record.grown:
             state = runner.requests.get(req_id)
             if state is None:
                 continue
-            if req_id not in record.resumed:
-                # A resumed request's block ids are replaced wholesale by the re-run.
-                for ids, n in zip(state.block_ids, block_lens):
-                    del ids[n:]
-            del state.output_token_ids[num_output:]
+            # Whether or not the failed attempt got as far as appending: back to the record.
+            for ids, n in zip(state.block_ids, block_lens):
+                del ids[n:]
         self.reset_batch()
 
     def reset_batch(self) -> None:
@@ -170,6 +205,8 @@ class V1RunnerState:
 
     def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None:
         """Before an attempt of ``execute_model``: recompute the lost KV the step reads."""
+        if not self.kv.lost:
+            return  # the fault-free path: nothing was lost
         report = self.kv.run(scheduler_output, call)
         if report is not None and self.on_kv_recomputed is not None:
             self.on_kv_recomputed(report)
@@ -182,39 +219,56 @@ class V1RunnerState:
         if batch.generators:
             # A request resumed after an engine death continues its seeded stream.
             fast_forward(runner, self._fast_forwarded)
-        record = SampleRecord(runner.execute_model_state)
-        for index, gen in batch.generators.items():
-            record.generator_states[index] = gen.get_state()
-        if batch.num_reqs and not batch.all_greedy:
-            record.global_rng = self.rng.get_rng_state()
-            state = runner.execute_model_state
-            if state is not None and getattr(state, "logits", None) is not None:
-                record.logits = state.logits.clone()
-        req_ids = batch.req_ids
-        requests = runner.requests
-        num_tokens = batch.num_tokens_no_spec[:len(req_ids)].tolist()
-        record.tokens = {req_id: (len(requests[req_id].output_token_ids), num_tokens[index])
-                         for index, req_id in enumerate(req_ids)}
+        counts, view = batch.num_tokens_no_spec, self._counts
+        if view is None or view.obj is not counts:
+            view = self._counts = memoryview(counts)
+        state = runner.execute_model_state
+        record = SampleRecord(state, batch.req_id_to_index.copy(), view.tobytes())
+        if record.rows and not batch.all_greedy:
+            logits = getattr(state, "logits", None) if state is not None else None
+            record.random = _RandomState(
+                logits.clone() if logits is not None else None,
+                {index: gen.get_state() for index, gen in batch.generators.items()},
+                self.rng.get_rng_state())
+        elif batch.generators:  # (vLLM gives only randomly sampled rows a generator)
+            record.random = _RandomState(
+                None, {index: gen.get_state() for index, gen in batch.generators.items()},
+                None)
         return record
 
     def rollback_sample(self, record: SampleRecord) -> None:
         runner = self.runner
         batch = runner.input_batch
         state = record.execute_model_state
-        if record.logits is not None and state is not None:
-            # Hand out a copy: the saved one must stay pristine for a further retry.
-            state = state._replace(logits=record.logits.clone())
+        random = record.random
+        if random is not None:
+            if random.logits is not None and state is not None:
+                # Hand out a copy: the saved one must stay pristine for a further retry.
+                state = state._replace(logits=random.logits.clone())
+            for index, gen_state in random.generator_states.items():
+                batch.generators[index].set_state(gen_state)
+            if random.global_rng is not None:
+                self.rng.set_rng_state(random.global_rng)
         runner.execute_model_state = state
-        for index, gen_state in record.generator_states.items():
-            batch.generators[index].set_state(gen_state)
-        if record.global_rng is not None:
-            self.rng.set_rng_state(record.global_rng)
-        for index, req_id in enumerate(batch.req_ids):
-            saved = record.tokens.get(req_id)
-            if saved is None:
+        if batch.req_id_to_index != record.rows:
+            raise FtkitError("ftkit: cannot restore the sampled tokens: the batch's rows "
+                             "changed during sampling (vLLM no longer keeps them in place)")
+        counts = np.frombuffer(record.num_tokens, dtype=batch.num_tokens_no_spec.dtype)
+        requests = runner.requests
+        for req_id, index in record.rows.items():
+            num_tokens = int(counts[index])
+            state = requests.get(req_id)
+            if state is None:
                 continue
-            num_output, num_tokens = saved
-            del runner.requests[req_id].output_token_ids[num_output:]
+            output = state.output_token_ids
+            num_output = num_tokens - state.num_prompt_tokens
+            if not 0 <= num_output <= len(output):
+                raise FtkitError(
+                    f"ftkit: cannot restore request {req_id}: its row held {num_tokens} "
+                    f"tokens before sampling, but it has {state.num_prompt_tokens} prompt and "
+                    f"{len(output)} output tokens now; vLLM no longer keeps num_tokens_no_spec "
+                    f"= prompt + output tokens, which this rollback relies on")
+            del output[num_output:]
             batch.num_tokens_no_spec[index] = num_tokens
 
     # --- what a step computes ---------------------------------------------------------------

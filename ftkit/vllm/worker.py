@@ -1,21 +1,33 @@
-"""FtkitWorker: assembles the recovery engine around one vLLM worker."""
+"""FtkitWorker: one vLLM worker's recovery engine, fault injector and event log.
+
+The recovery engine is assembled by ``ftkit.recovery.assemble``; this module only supplies
+what vLLM knows: the backend of the current platform, the job's store, the model runner's
+step state and memory map, the repairs that need the runner (reload parameters, recompute
+lost KV), and the records each rank writes to its event log.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 from ftkit.backends.platforms import backend_class
+from ftkit.config import RecoveryConfig
+from ftkit.contracts.eventlog import EventLog, KvRecomputed, ParamsReloaded, RecoveryRound
+from ftkit.contracts.plan import FaultPlan
 from ftkit.errors import FtkitError
 from ftkit.inject import Injector
-from ftkit.recovery.aware import FaultAware
-from ftkit.config import RecoveryConfig
-from ftkit.recovery.coordinator import Coordinator, Decision, MemoryChannel, RankStatus, StoreChannel
-from ftkit.recovery.events import EventLog
-from ftkit.recovery.handlers import assess
-from ftkit.recovery.tolerance import FaultTolerance
+from ftkit.recovery import (
+    Coordinator,
+    Decision,
+    Recovery,
+    RoundOutcome,
+    StepWrapper,
+    assemble,
+    assess_damage,
+    side_channels,
+)
 from ftkit.vllm.kv_recompute import RecomputeReport
 from ftkit.vllm.memory import RunnerMemory
 from ftkit.vllm.runner_state import V1RunnerState
@@ -39,31 +51,41 @@ class FtkitWorker:
         self.config = config
         self.rank = int(getattr(worker, "rank", 0))
         self.events = EventLog(self.rank, config.event_log_dir)
-        self.tolerance: FaultTolerance | None = None
+        self.recovery: Recovery | None = None
+        #: The wrapper of this worker's step RPCs, built at the first step.
+        self.step_wrapper: StepWrapper | None = None
         self.injector: Injector | None = None
         self.backend: Any = None
-        self.aware: FaultAware | None = None
-        #: Seconds each part of the last rebuild took (emitted with the round's event).
-        self._rebuild_times: dict[str, float] = {}
+        #: ``self.recovery.coordinator``, once built (``set_fault_plan`` sets its budget).
         self.coordinator: Coordinator | None = None
+        #: The injector's module hooks (model forward, sampler), registered only while its
+        #: plan has faults: a module with a hook takes PyTorch's slower call path.
+        self._hook_handles: list[Any] = []
+        self._hooks_in = False
 
     # --- the wrapped step methods -------------------------------------------------------------
 
     def execute_model(self, inner: Any, scheduler_output: Any) -> Any:
-        return self._ready().execute_model(inner, scheduler_output)
+        wrapper = self._ready()
+        injector = self.injector
+        if injector is not None and bool(injector.faults) is not self._hooks_in:
+            self._register_injection_hooks()
+        return wrapper.execute_model(inner, scheduler_output)
 
     def sample_tokens(self, inner: Any, grammar_output: Any) -> Any:
         return self._ready().sample_tokens(inner, grammar_output)
 
     # --- control (called through collective_rpc) ----------------------------------------------
 
-    def set_fault_plan(self, run_id: str | None, faults: list[dict[str, Any]],
-                       max_reinference: int | None = None) -> None:
-        """Plan the faults of run ``run_id``; ``max_reinference`` (if given) applies from this
-        run on. Reached through ``collective_rpc``, so every rank gets the same settings."""
+    def set_fault_plan(self, plan_json: str) -> None:
+        """Plan the faults of a ``FaultPlan`` (its ``to_json``); its ``max_reinference`` (if
+        set) applies from this run on. Reached through ``collective_rpc``
+        (``ftkit_set_fault_plan``), so every rank gets the same plan."""
+        plan = FaultPlan.from_json(plan_json)
         self._ready()
         assert self.injector is not None and self.coordinator is not None
-        self.injector.set_plan(run_id, faults)
+        self.injector.set_plan(plan)
+        max_reinference = plan.max_reinference
         if max_reinference is not None:
             if isinstance(max_reinference, bool) or not isinstance(max_reinference, int) \
                     or max_reinference < 0:
@@ -73,12 +95,14 @@ class FtkitWorker:
 
     # --- set-up -------------------------------------------------------------------------------
 
-    def _ready(self) -> FaultTolerance:
-        if self.tolerance is None:
-            self.tolerance = self._build()
-        return self.tolerance
+    def _ready(self) -> StepWrapper:
+        if self.step_wrapper is None:
+            self.step_wrapper = self._build()
+        return self.step_wrapper
 
-    def _build(self) -> FaultTolerance:
+    def _build(self) -> StepWrapper:
+        """Assembles this rank's recovery engine (from its process groups, which exist once
+        vLLM runs a step) and returns its step wrapper."""
         import torch.distributed as dist
 
         runner = self.worker.model_runner
@@ -93,54 +117,46 @@ class FtkitWorker:
             from ftkit.vllm.comms import vllm_groups
 
             self.backend.take_over(vllm_groups())
-        timeout = self.config.round_timeout_s
-
-        def rebuild(decision: Decision) -> None:
-            """Every rank, once the round decided to re-run: device, communicators, then
-            what the faults destroyed."""
-            times = self._rebuild_times = {}
-            started = time.monotonic()
-            self.backend.recover_device(decision.kinds)
-            times["device_s"] = time.monotonic() - started
-            if world > 1:
-                started = time.monotonic()
-                self.backend.rebuild_communicators(timeout, decision.kinds)
-                times["comms_s"] = time.monotonic() - started
-            started = time.monotonic()
-            own = decision.status_of(self.rank)
-            if own is not None and own.reload_params:
-                reloaded = memory.reload_params(set(own.reload_params))
-                self.events.emit("params_reloaded", params=reloaded)
-            if decision.kv_lost_all or decision.kv_lost:
-                state.mark_kv_lost(decision.kv_lost, all_blocks=decision.kv_lost_all)
-            times["repair_s"] = time.monotonic() - started
-
-        coordinator = Coordinator(self.rank, world, max_reinference=self.config.max_reinference,
-                                  round_timeout_s=timeout, rebuild=rebuild)
-        self.coordinator = coordinator
-        if world > 1:
-            main_channel: Any = StoreChannel(store.clone())
-            factory: Any = lambda: StoreChannel(store.clone())  # noqa: E731 - one client a thread
-        else:
-            main_channel, factory = MemoryChannel(), None
-        self.aware = FaultAware(coordinator, main_channel=main_channel, channel_factory=factory,
-                                stop_communication=self.backend.stop_communication,
-                                on_round=self._record_round)
-        self.aware.start()
         self.injector = Injector(
             self.rank, self.events, token_indices=state.output_token_indices,
             device=self.backend if hasattr(self.backend, "force_stop") else None,
             memory=memory, kill_target=self._kill_target if _own_engine_process() else None)
-        runner.sampler.register_forward_hook(self.injector.sample_hook)
-        runner.get_model().register_forward_pre_hook(self.injector.forward_hook)
+
+        def repairs(decision: Decision) -> None:
+            """What the round's faults destroyed: this rank's own parameters, every rank's
+            share of the lost KV."""
+            own = decision.status_of(self.rank)
+            if own is not None and own.reload_params:
+                reloaded = memory.reload_params(set(own.reload_params))
+                self.events.emit(ParamsReloaded(params=reloaded))
+            if decision.kv_lost_all or decision.kv_lost:
+                state.mark_kv_lost(decision.kv_lost, all_blocks=decision.kv_lost_all)
+
         log.info("ftkit: recovery %s on rank %d of %d (max_reinference=%d)",
                  "on" if self.config.enabled else "off", self.rank, world,
                  self.config.max_reinference)
-        return FaultTolerance(rank=self.rank, aware=self.aware, state=state,
-                              gate_timeout_s=3 * timeout, hooks=[self.injector],
-                              recovery_enabled=self.config.enabled,
-                              is_stop_error=self.backend.is_stop_error,
-                              assess=lambda kind: assess(kind, self.backend, memory))
+        self.recovery = assemble(
+            rank=self.rank, world=world, channels=side_channels(store), backend=self.backend,
+            state=state, config=self.config, hooks=[self.injector], repairs=repairs,
+            on_round=self._record_round,
+            assess=lambda kind: assess_damage(kind, self.backend, memory))
+        self.coordinator = self.recovery.coordinator
+        return self.recovery.wrapper
+
+    def _register_injection_hooks(self) -> None:
+        """Register the injector's hooks inside the step while its plan has faults (checked
+        before each step, so a plan set between steps takes effect at the next one); remove
+        them when it has none."""
+        assert self.injector is not None
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self._hooks_in = bool(self.injector.faults)
+        if self._hooks_in:
+            runner = self.worker.model_runner
+            self._hook_handles = [
+                runner.sampler.register_forward_hook(self.injector.sample_hook),
+                runner.get_model().register_forward_pre_hook(self.injector.forward_hook)]
 
     def _kill_target(self, target: str) -> int:
         """The pid a ``process_kill`` fault kills: this worker, or the engine core (the
@@ -151,26 +167,23 @@ class FtkitWorker:
         return os.getppid()
 
     def _record_kv(self, report: RecomputeReport) -> None:
-        self.events.emit("kv_recomputed", requests=report.requests, tokens=report.tokens,
-                         passes=report.passes, duration_s=report.seconds,
-                         step=self.tolerance.step if self.tolerance else 0)
+        wrapper = self.step_wrapper
+        self.events.emit(KvRecomputed(requests=report.requests, tokens=report.tokens,
+                                      passes=report.passes, duration_s=report.seconds,
+                                      step=wrapper.step if wrapper is not None else 0))
 
-    def _record_round(self, epoch: int, status: RankStatus, decision: Decision,
-                      duration_s: float, wall: float) -> None:
-        assert self.aware is not None
-        rebuild, self._rebuild_times = self._rebuild_times, {}
-        round_times = self.aware.coordinator.last_times
-        stop = self.aware.last_stop_request
-        self.events.emit("recovery", epoch=epoch, state=status.state.value, step=status.step,
-                         rpc=status.rpc, rpc_kind=status.rpc_kind.value,
-                         failures=status.failures, fault=status.kind, error=status.error,
-                         decision=decision.action.value, reason=decision.reason,
-                         kinds=list(decision.kinds), duration_s=duration_s, started=wall,
-                         kv_lost_all=status.kv_lost_all, kv_lost_blocks=len(status.kv_lost),
-                         reload_params=list(status.reload_params),
-                         stop_requested=stop[1] if stop and stop[0] == epoch else None,
-                         statuses_s=round_times.statuses_s, rebuild_s=round_times.rebuild_s,
-                         peers_done_s=round_times.peers_done_s, **rebuild)
+    def _record_round(self, outcome: RoundOutcome) -> None:
+        status, decision, times = outcome.status, outcome.decision, outcome.times
+        self.events.emit(RecoveryRound(
+            epoch=outcome.epoch, state=status.state.value, step=status.step, rpc=status.rpc,
+            rpc_kind=status.rpc_kind.value, failures=status.failures, fault=status.kind,
+            error=status.error, decision=decision.action.value, reason=decision.reason,
+            kinds=list(decision.kinds), duration_s=outcome.duration_s, started=outcome.started,
+            kv_lost_all=status.kv_lost_all, kv_lost_blocks=len(status.kv_lost),
+            reload_params=list(status.reload_params), stop_requested=outcome.stop_requested,
+            statuses_s=times.statuses_s, rebuild_s=times.rebuild_s,
+            peers_done_s=times.peers_done_s, device_s=times.device_s, comms_s=times.comms_s,
+            repair_s=times.repair_s))
 
 
 def _own_engine_process() -> bool:

@@ -7,7 +7,7 @@ import sys
 import types
 from collections.abc import Callable, Sequence
 
-from ftkit.events import ProgressEvent
+from ftkit.progress import ProgressEvent
 from ftkit.results import ScenarioResult, Verdict
 
 ResultFactory = Callable[[str, str, Verdict], ScenarioResult]

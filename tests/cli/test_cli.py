@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from ftkit.events import ProgressEvent
-from ftkit.faults import KINDS
+from ftkit.progress import ProgressEvent
+from ftkit.kinds import KIND_SPECS
 from ftkit.report import read_json_report
 from ftkit.results import (
     FaultRecord,
@@ -111,9 +111,9 @@ def test_list_shows_every_fault_kind_with_its_status():
     result = invoke("list")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert len(lines) == len(KINDS)
+    assert len(lines) == len(KIND_SPECS)
     by_kind = {line.split()[0]: line for line in lines}
-    for kind, info in KINDS.items():
+    for kind, info in KIND_SPECS.items():
         status = "implemented" if info.implemented else "not implemented yet"
         assert status in by_kind[kind.value]
         assert ("not implemented yet" in by_kind[kind.value]) is (not info.implemented)

@@ -28,7 +28,8 @@ from ftkit.results import (
     ScenarioResult,
     Verdict,
 )
-from ftkit_cli.main import ftkit, name_matcher
+from ftkit_cli.main import ftkit
+from ftkit_cli.select import name_matcher
 
 from _stub_runner import install_stub_runner
 

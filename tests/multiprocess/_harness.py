@@ -1,11 +1,11 @@
 """A real multi-process rig for the recovery engine, without vLLM.
 
 Each rank is a spawned process with a real gloo world (``tcp://127.0.0.1:<port>``). It builds
-the recovery engine exactly as ``ftkit/vllm/worker.py`` does: a ``CpuBackend`` that takes over
-a "tp" group's communicator, a ``Coordinator`` and a ``FaultAware`` over ``StoreChannel``s
-(one store client per thread) and a ``FaultTolerance`` around each RPC. Only vLLM's
-``GroupCoordinator`` bookkeeping is replaced, by ``StandInGroup``; the collectives, the process
-groups, the stop and the rebuild are real.
+the recovery engine with ``ftkit.recovery.assemble``, as ``ftkit/vllm/worker.py`` does: a
+``CpuBackend`` that takes over a "tp" group's communicator, side channels over the job's
+store, and the ``StepWrapper`` around each RPC. Only vLLM's ``GroupCoordinator`` bookkeeping is
+replaced, by ``StandInGroup``; the collectives, the process groups, the stop and the rebuild
+are real.
 
 A "step" is two RPCs, like vLLM's: ``execute`` (three all-reduces, two on the device group and
 one on the cpu group, and a change to the rank's state) and ``sample`` (rank-local: a change to
@@ -19,11 +19,12 @@ Faults are planned per rank, RPC, step, attempt and collective index:
 * ``oom`` (``MemoryError``) and ``value_error`` (``ValueError``): raised from the step;
 * ``exit_before_report``: a link break, then the rank announces the round without reporting
   its status and dies (``os._exit(17)``) half a second later;
-* ``exit_in_rebuild``: a link break, then the rank dies (``os._exit(18)``) when the round asks
-  it to rebuild its communicators.
+* ``exit_in_rebuild``: a link break, then the rank dies (``os._exit(18)``) when the round's
+  rebuild starts (before its communicators are rebuilt).
 
-Scenario keys: ``transport`` (``gloo``, the default, or ``shm``), ``steps``, ``max_reinference``, ``round_timeout_s``, ``faults``, ``idle_gaps``
-(a rank sleeps before a step, as if waiting for the next RPC), ``exit_barrier_s`` and ``debug``.
+Scenario keys: ``transport`` (``gloo``, the default, or ``shm``), ``steps``, ``max_reinference``,
+``round_timeout_s``, ``faults``, ``idle_gaps`` (a rank sleeps before a step, as if waiting for
+the next RPC), ``exit_barrier_s`` and ``debug``.
 
 ``backend`` chooses the backend the rig assembles (``cpu``, the default, as above):
 
@@ -264,9 +265,8 @@ class Rig:
         import torch.distributed as dist
 
         from ftkit.backends.cpu import CpuBackend
-        from ftkit.recovery.aware import FaultAware
-        from ftkit.recovery.coordinator import Coordinator, StoreChannel
-        from ftkit.recovery.tolerance import FaultTolerance
+        from ftkit.config import RecoveryConfig
+        from ftkit.recovery import SideChannels, assemble, side_channels
 
         self.rank = rank
         self.world = world
@@ -313,24 +313,19 @@ class Rig:
             assert bool(self.backend._shm) == (shm_store is not None)
             assert self.comm.dist_module is self.backend.collectives
 
-        self.coordinator = Coordinator(rank, world,
-                                       max_reinference=int(scenario.get("max_reinference", 3)),
-                                       round_timeout_s=self.round_timeout_s,
-                                       rebuild=self._rebuild)
+        self._record_rebuilds()
         store = dist.distributed_c10d._get_default_store()
         self.harness_store = store.clone()
-        main_channel: Any = StoreChannel(store.clone())
+        channels = side_channels(store)
         if any(f["action"] == "exit_before_report" for f in self.faults):
-            main_channel = DyingChannel(main_channel, self)
-        self.aware = FaultAware(self.coordinator, main_channel=main_channel,
-                                channel_factory=lambda: StoreChannel(store.clone()),
-                                stop_communication=self.backend.stop_communication,
-                                on_round=self._on_round)
+            channels = SideChannels(DyingChannel(channels.main, self), channels.for_monitor)
         self.state = RecordingState()
-        self.tolerance = FaultTolerance(rank=rank, aware=self.aware, state=self.state,
-                                        gate_timeout_s=3 * self.round_timeout_s, hooks=[self],
-                                        is_stop_error=self.backend.is_stop_error)
-        self.aware.start()
+        config = RecoveryConfig(enabled=True,
+                                max_reinference=int(scenario.get("max_reinference", 3)),
+                                round_timeout_s=self.round_timeout_s)
+        self.recovery = assemble(rank=rank, world=world, channels=channels,
+                                 backend=self.backend, state=self.state, config=config,
+                                 hooks=[self], on_round=self._on_round)
 
     # --- the StepHook protocol ------------------------------------------------------------
 
@@ -344,24 +339,30 @@ class Rig:
 
     # --- recovery callbacks ---------------------------------------------------------------
 
-    def _rebuild(self, decision: Any) -> None:
-        self.record["rebuilds"].append({"thread": threading.current_thread().name,
-                                        "kinds": list(decision.kinds), "at": time.time()})
-        if self.armed_exit == "exit_in_rebuild":
-            self.write()
-            os._exit(EXIT_IN_REBUILD)
-        self.backend.recover_device(decision.kinds)
-        self.backend.rebuild_communicators(self.round_timeout_s, decision.kinds)
+    def _record_rebuilds(self) -> None:
+        """Record each rebuild (it starts with the device's recovery), and die there when
+        armed to."""
+        recover_device = self.backend.recover_device
 
-    def _on_round(self, epoch: int, status: Any, decision: Any, duration_s: float,
-                  wall: float) -> None:
+        def recording_recover_device(kinds: tuple[str, ...]) -> None:
+            self.record["rebuilds"].append({"thread": threading.current_thread().name,
+                                            "kinds": list(kinds), "at": time.time()})
+            if self.armed_exit == "exit_in_rebuild":
+                self.write()
+                os._exit(EXIT_IN_REBUILD)
+            recover_device(kinds)
+
+        self.backend.recover_device = recording_recover_device
+
+    def _on_round(self, outcome: Any) -> None:
+        status, decision = outcome.status, outcome.decision
         self.record["rounds"].append({
-            "epoch": epoch, "thread": threading.current_thread().name,
+            "epoch": outcome.epoch, "thread": threading.current_thread().name,
             "state": status.state.value, "rpc": status.rpc, "rpc_kind": status.rpc_kind.value,
             "failures": status.failures, "kind": status.kind,
             "decision": decision.action.value, "reason": decision.reason,
             "states": {str(s.rank): s.state.value for s in decision.statuses},
-            "duration_s": duration_s,
+            "duration_s": outcome.duration_s,
         })
 
     # --- the fake RPCs --------------------------------------------------------------------
@@ -444,8 +445,8 @@ class Rig:
         for s in range(1, int(self.scenario.get("steps", 5)) + 1):
             if (self.rank, s) in gaps:
                 time.sleep(gaps[(self.rank, s)])  # waiting for the next RPC, between steps
-            executed = self.tolerance.execute_model(self.execute, s)
-            sampled = self.tolerance.sample_tokens(self.sample, s)
+            executed = self.recovery.wrapper.execute_model(self.execute, s)
+            sampled = self.recovery.wrapper.sample_tokens(self.sample, s)
             self.record["outputs"].append({"step": s, "execute": executed.tolist(),
                                            "sample": sampled})
 

@@ -304,7 +304,7 @@ def test_recovered_tokens_equal_the_baseline(ftkit_injector, ftkit_baseline):
     assert ftkit_injector.error is None
     assert tokens == ftkit_baseline(PROMPTS, max_tokens=16)
     assert len(tokens[0]) == 16
-    assert [e["kind"] for e in ftkit_injector.fired] == ["oom"]
+    assert [e.kind for e in ftkit_injector.fired] == ["oom"]
     assert ftkit_injector.faults[0].recovered
     assert [r.decision for r in ftkit_injector.rounds] == ["recompute"]
 

@@ -1,5 +1,5 @@
 """The benchmark suite's own arithmetic: summaries, paired ratios, the order of repeats, the
-tables, the phases of a recovery round laid out from events, the README section rewrite.
+tables, the phases of a recovery round laid out from events, the performance page.
 (Performance itself is measured by ``make bench``, never asserted by a test.)"""
 
 from __future__ import annotations
@@ -14,6 +14,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import recovery, report  # noqa: E402
+from ftkit.contracts.eventlog import (  # noqa: E402
+    FaultFired,
+    KvRecomputed,
+    RecoveryRound,
+    StepRecovered,
+)
 from benchmarks.stats import (  # noqa: E402
     Summary,
     fmt_summary,
@@ -49,9 +55,21 @@ def test_markdown_table_and_cells():
         markdown_table(["a"], [[1, 2]])
 
 
-def _round(rank, started, duration, stop=None, **times):
-    return {"event": "recovery", "rank": rank, "epoch": 0, "time": started + duration,
-            "started": started, "duration_s": duration, "stop_requested": stop, **times}
+def _round(rank, started, duration, stop=None, epoch=0, **times):
+    return RecoveryRound(rank=rank, epoch=epoch, time=started + duration, started=started,
+                         duration_s=duration, stop_requested=stop, state="failed", step=1,
+                         rpc=1, rpc_kind="execute", failures=1, fault="oom", error=None,
+                         decision="recompute", reason="", **times)
+
+
+def _recovered(rank, time, rollback_s, rerun_s):
+    return StepRecovered(rank=rank, time=time, step=1, rpc_kind="execute", failures=1,
+                         recovery_s=0.0, rollback_s=rollback_s, rerun_s=rerun_s)
+
+
+def _fired(time):
+    return FaultFired(time=time, run_id="r1", index=0, kind="oom", request=0, token=1,
+                      phase="forward", step=1, attempt=1, pid=1)
 
 
 def test_round_phases_follow_the_slowest_rank():
@@ -64,13 +82,10 @@ def test_round_phases_follow_the_slowest_rank():
         _round(1, t0 + 0.009, 0.056, stop=t0 + 0.008, statuses_s=0.002, device_s=0.0,
                comms_s=0.045, repair_s=0.0),
     ]
-    kv = [{"event": "kv_recomputed", "rank": 0, "duration_s": 0.010, "time": t0 + 0.07}]
-    recovered = [
-        {"event": "step_recovered", "rank": 0, "time": t0 + 0.090, "rollback_s": 0.001,
-         "rerun_s": 0.020},
-        {"event": "step_recovered", "rank": 1, "time": t0 + 0.085, "rollback_s": 0.002,
-         "rerun_s": 0.015},
-    ]
+    kv = [KvRecomputed(rank=0, duration_s=0.010, time=t0 + 0.07, step=1, requests=1,
+                       tokens=1, passes=1)]
+    recovered = [_recovered(0, t0 + 0.090, 0.001, 0.020),
+                 _recovered(1, t0 + 0.085, 0.002, 0.015)]
     p = recovery.round_phases(t0, rounds, kv, recovered)
     assert p["detect"] == pytest.approx(0.008)
     assert p["stop"] == pytest.approx(0.001)
@@ -82,11 +97,9 @@ def test_round_phases_follow_the_slowest_rank():
 
 
 def test_faults_are_matched_to_their_own_round():
-    fired = [{"event": "fault_fired", "time": 10.0}, {"event": "fault_fired", "time": 20.0}]
-    events = [*fired, _round(0, 10.01, 0.05), _round(0, 20.02, 0.05)]
-    events[3]["epoch"] = 1
-    events.append({"event": "step_recovered", "rank": 0, "time": 20.2, "rollback_s": 0.0,
-                   "rerun_s": 0.1})
+    fired = [_fired(10.0), _fired(20.0)]
+    events = [*fired, _round(0, 10.01, 0.05), _round(0, 20.02, 0.05, epoch=1),
+              _recovered(0, 20.2, 0.0, 0.1)]
     first, second = recovery.fault_phases(fired, events)
     assert first["detect"] == pytest.approx(0.01) and first["total"] is None
     assert second["detect"] == pytest.approx(0.02) and second["total"] == pytest.approx(0.2)
@@ -94,13 +107,28 @@ def test_faults_are_matched_to_their_own_round():
 
 def test_fault_plan_spreads_faults_over_steps_requests_and_ranks():
     plan = recovery.fault_plan(recovery.CASES[0], 3, tp=2)
-    assert [f["at"]["token"] for f in plan] == [4, 22, 40]
-    assert [f["rank"] for f in plan] == [0, 1, 0]
-    assert [f["at"]["request"] for f in plan] == [0, 1, 2]
+    assert [f.at.token for f in plan] == [4, 22, 40]
+    assert [f.rank for f in plan] == [0, 1, 0]
+    assert [f.at.request for f in plan] == [0, 1, 2]
 
 
-def test_readme_section_is_replaced_up_to_the_next_heading(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\n## Performance\n\nold\ntable\n\n## Contributing\n\nkeep\n")
-    report.replace_section(readme, "## Performance", "new")
-    assert readme.read_text() == "# x\n\n## Performance\n\nnew\n\n## Contributing\n\nkeep\n"
+def test_performance_page_is_written_whole_from_the_saved_results(tmp_path):
+    results = REPO / "benchmarks" / "results"
+    out = tmp_path / "results"
+    out.mkdir()
+    for saved in results.glob("*.json"):
+        (out / saved.name).write_text(saved.read_text())
+    page = tmp_path / "performance.md"
+    page.write_text("stale\n")
+    markdown = report.write(out, page=page)
+    text = page.read_text()
+    assert text.startswith(report.PAGE_TITLE + "\n")
+    assert markdown in text and "stale" not in text
+    assert (out / "RESULTS.md").read_text() == "# ftkit benchmark results\n\n" + markdown + "\n"
+
+
+def test_performance_page_is_left_alone_without_results(tmp_path):
+    page = tmp_path / "performance.md"
+    page.write_text("kept\n")
+    report.write(tmp_path, page=page)
+    assert page.read_text() == "kept\n"

@@ -12,13 +12,9 @@ import itertools
 
 import pytest
 
-from ftkit.recovery.coordinator import (
-    Action,
-    RankState,
-    RankStatus,
-    RpcKind,
-    decide,
-)
+from ftkit.contracts.step import RpcKind
+from ftkit.errors import RecoveryError, RecoveryInconsistent, ReinferenceExhausted
+from ftkit.recovery import Action, Cause, RankState, RankStatus, decide
 
 EXECUTE, SAMPLE, NONE = RpcKind.EXECUTE, RpcKind.SAMPLE, RpcKind.NONE
 LINK = "link_break"
@@ -50,6 +46,7 @@ def test_link_failure_with_peer_stopped_at_same_rpc_recomputes():
     d = decide([stopped(0, 7), failed(1, 7)], max_reinference=3)
     assert d.action is Action.RECOMPUTE
     assert d.recompute
+    assert d.cause is Cause.RERUN
     assert d.kinds == (LINK,)
     assert [s.rank for s in d.statuses] == [0, 1]
     assert "rank 0 stopped" in d.reason and "rank 1 failed" in d.reason
@@ -74,6 +71,7 @@ def test_failures_above_max_reinference_raise_naming_the_budget(max_reinference)
     n = max_reinference + 1
     d = decide([stopped(0, 4, failures=n), failed(1, 4, failures=n)], max_reinference)
     assert d.action is Action.RAISE
+    assert d.cause is Cause.REINFERENCE_EXHAUSTED and d.error is ReinferenceExhausted
     assert "max_reinference" in d.reason
     assert f"max_reinference is {max_reinference}" in d.reason
     assert f"failed {n} times" in d.reason
@@ -90,6 +88,7 @@ def test_non_transient_error_raises_naming_rank_and_error():
     d = decide([stopped(0, 9), failed(1, 9, None, error="ValueError: bad request")],
                max_reinference=3)
     assert d.action is Action.RAISE
+    assert d.cause is Cause.NOT_A_FAULT and d.error is RecoveryError
     assert "rank 1" in d.reason
     assert "not a transient fault" in d.reason
     assert "ValueError: bad request" in d.reason
@@ -124,6 +123,7 @@ def test_execute_rerun_behind_a_peer_at_next_rpc_raises_out_of_step():
     d = decide([failed(0, 10, rpc_kind=EXECUTE), stopped(1, 11, rpc_kind=SAMPLE)],
                max_reinference=3)
     assert d.action is Action.RAISE
+    assert d.cause is Cause.OUT_OF_STEP and d.error is RecoveryInconsistent
     assert "out of step" in d.reason
     assert "rank 0" in d.reason and "RPC 10" in d.reason and "RPC 11" in d.reason
 
@@ -143,6 +143,7 @@ def test_stopped_execute_behind_a_completed_peer_raises_out_of_step():
 def test_ranks_two_rpcs_apart_raise(behind):
     d = decide([behind, failed(1, 10)], max_reinference=3)
     assert d.action is Action.RAISE
+    assert d.cause is Cause.OUT_OF_STEP
     assert "out of step" in d.reason
     assert "rank 0" in d.reason
 
@@ -177,7 +178,7 @@ def test_decision_does_not_depend_on_report_order(statuses):
     reference = decide(statuses, max_reinference=3)
     for perm in itertools.permutations(statuses):
         d = decide(list(perm), max_reinference=3)
-        assert d == reference  # action, reason and kinds
+        assert d == reference  # action, cause, reason and kinds
         assert d.statuses == reference.statuses
         assert [s.rank for s in d.statuses] == sorted(s.rank for s in statuses)
 
@@ -227,6 +228,7 @@ def test_an_unrepairable_fault_makes_the_round_raise_with_why():
     hit = dataclasses.replace(failed(1, 4, "uce"), unrecoverable="no address for the error")
     decision = decide([stopped(0, 4), hit], 3)
     assert decision.action is Action.RAISE
+    assert decision.cause is Cause.UNREPAIRABLE and decision.error is RecoveryError
     assert decision.reason == "rank 1: uce cannot be repaired: no address for the error"
 
 
@@ -238,10 +240,10 @@ def test_status_with_repairs_survives_the_side_channel():
     assert RankStatus.from_json(status.to_json()) == status
 
 
-def test_handlers_say_what_each_kind_destroyed():
+def test_the_damage_assessment_says_what_each_kind_destroyed():
     from ftkit.backends.base import MemoryFault
     from ftkit.faults import FaultKind
-    from ftkit.recovery.handlers import Repair, assess
+    from ftkit.recovery.damage import Repair, assess_damage
 
     class Device:
         def __init__(self, faults):
@@ -259,8 +261,8 @@ def test_handlers_say_what_each_kind_destroyed():
                                    else set(), other=0)
 
     none = Device([])
-    assert assess(FaultKind.DEVICE_RESET, none, Memory()) == Repair(kv_lost_all=True)
-    assert assess(FaultKind.LINK_BREAK, none, Memory()) == Repair()
-    assert assess(FaultKind.UCE, Device([MemoryFault(5, 8), MemoryFault(200, 8)]),
-                  Memory()) == Repair(kv_lost=(5,), reload_params=("w",))
-    assert "no address" in assess(FaultKind.UCE, none, Memory()).unrecoverable
+    assert assess_damage(FaultKind.DEVICE_RESET, none, Memory()) == Repair(kv_lost_all=True)
+    assert assess_damage(FaultKind.LINK_BREAK, none, Memory()) == Repair()
+    assert assess_damage(FaultKind.UCE, Device([MemoryFault(5, 8), MemoryFault(200, 8)]),
+                         Memory()) == Repair(kv_lost=(5,), reload_params=("w",))
+    assert "no address" in assess_damage(FaultKind.UCE, none, Memory()).unrecoverable

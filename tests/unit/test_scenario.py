@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import textwrap
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ftkit.errors import ScenarioError
-from ftkit.faults import IMPLEMENTED_KINDS, KINDS, FaultKind
+from ftkit.faults import FaultKind
+from ftkit.kinds import KIND_SPECS
 from ftkit.scenario import (
     FaultSpec,
     Scenario,
@@ -404,7 +406,8 @@ def test_a_link_break_accepts_any_times(tmp_path):
 @pytest.mark.parametrize("kind", sorted(FaultKind, key=str))
 def test_kinds_not_implemented_are_errors_never_ignored(tmp_path, monkeypatch, kind):
     # Every kind is implemented today; a kind added later starts out unimplemented.
-    monkeypatch.setattr("ftkit.scenario.rules.IMPLEMENTED_KINDS", IMPLEMENTED_KINDS - {kind})
+    monkeypatch.setitem(KIND_SPECS, kind, dataclasses.replace(KIND_SPECS[kind],
+                                                              implemented=False))
     text = replace_line(BASE, 11, f"  - kind: {kind}")
     text = replace_line(text, 16, "    times: 1")
     found = problems(write(tmp_path, text))
@@ -640,8 +643,8 @@ def test_field_paths_round_trip():
 
 
 def test_kind_table_covers_the_schema():
-    # The schema offers every FaultKind; the rules must know each one's collectiveness.
-    assert set(KINDS) == set(FaultKind)
+    # The schema offers every FaultKind; the rules must know each one's spec.
+    assert set(KIND_SPECS) == set(FaultKind)
     assert FaultSpec.model_fields["kind"].annotation is FaultKind
 
 

@@ -13,8 +13,22 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
+from ftkit.config import RecoveryConfig
+from ftkit.contracts.eventlog import (
+    FaultFired,
+    KvRecomputed,
+    ParamsReloaded,
+    RecoveryRound,
+    StepRecovered,
+    only,
+    read_events,
+)
+from ftkit.contracts.job import SamplingSpec
+from ftkit.contracts.plan import FaultPlan
 from ftkit.model import build_tiny_model
-from ftkit.vllm.engine import EngineSession, EngineSpec, SamplingSpec, is_process_helper
+from ftkit.procs import is_process_helper
+from ftkit.scenario import EngineSpec, FaultSpec
+from ftkit.vllm.engine import EngineSession
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -54,25 +68,24 @@ def baseline(tiny_model: str) -> Baseline:
     return Baseline(tokens, lens)
 
 
-def recovery_config(journal_dir: str, **overrides) -> dict:
-    return {"enabled": True, "max_reinference": 3, "round_timeout_s": 20.0,
-            "event_log_dir": journal_dir, **overrides}
+def recovery_config(event_log_dir: str, **overrides) -> RecoveryConfig:
+    return RecoveryConfig(**{"enabled": True, "max_reinference": 3, "round_timeout_s": 20.0,
+                             "event_log_dir": event_log_dir, **overrides})
 
 
 @pytest.fixture(scope="session")
 def tp1_engine(tiny_model: str, baseline: Baseline, tmp_path_factory) -> EngineSession:
-    journal = tmp_path_factory.mktemp("journal-tp1")
+    event_log = tmp_path_factory.mktemp("event-log-tp1")
     with EngineSession(EngineSpec(model=tiny_model),
-                       recovery=recovery_config(str(journal))) as engine:
+                       recovery=recovery_config(str(event_log))) as engine:
         yield engine
 
 
 @pytest.fixture(scope="session")
 def tp2_engine(tiny_model: str, baseline: Baseline, tmp_path_factory) -> EngineSession:
-    journal = tmp_path_factory.mktemp("journal-tp2")
+    event_log = tmp_path_factory.mktemp("event-log-tp2")
     engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
-                           recovery=recovery_config(str(journal)))
-    engine.journal_dir = str(journal)
+                           recovery=recovery_config(str(event_log)))
     with engine:
         yield engine
     assert_reaped(engine.pids)
@@ -104,43 +117,42 @@ class FaultRun:
     tokens: list[list[int]]
     token_times: list[list[float]]
     error: str | None
-    fired: list[dict]
-    rounds: list[dict]
-    recovered: list[dict]
-    #: ``kv_recomputed`` events (lost KV rebuilt before a re-run), of every rank.
-    kv: list[dict]
-    #: ``params_reloaded`` events (weights reloaded from the checkpoint).
-    reloaded: list[dict]
+    fired: list[FaultFired]
+    rounds: list[RecoveryRound]
+    recovered: list[StepRecovered]
+    #: Lost KV rebuilt before a re-run, of every rank.
+    kv: list[KvRecomputed]
+    #: Weights reloaded from the checkpoint.
+    reloaded: list[ParamsReloaded]
 
 
-def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[dict],
+def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[FaultSpec],
                     timeout_s: float = 120.0, submit_after_steps: list[int] | None = None
                     ) -> FaultRun:
     """Run the test prompts under ``faults`` and collect what the ranks recorded."""
     import time
 
-    from ftkit.recovery.events import read_events
-
     run_id = engine.new_run_id()
-    engine.set_fault_plan(run_id, faults)
+    engine.set_fault_plan(FaultPlan.from_specs(run_id, faults))
     started = time.time()
     out = engine.generate(PROMPTS, sampling, run_id=run_id,
                           deadline=time.monotonic() + timeout_s,
                           submit_after_steps=submit_after_steps)
-    events = [e for e in read_events(engine.recovery["event_log_dir"]) if e["time"] >= started]
+    events = [e for e in read_events(engine.recovery.event_log_dir) if e.time >= started]
     return FaultRun(
         tokens=[r.token_ids for r in out.requests],
         token_times=[r.token_times for r in out.requests],
         error=out.error,
-        fired=[e for e in events if e["event"] == "fault_fired" and e["run_id"] == run_id],
-        rounds=[e for e in events if e["event"] == "recovery"],
-        recovered=[e for e in events if e["event"] == "step_recovered"],
-        kv=[e for e in events if e["event"] == "kv_recomputed"],
-        reloaded=[e for e in events if e["event"] == "params_reloaded"],
+        fired=[e for e in only(events, FaultFired) if e.run_id == run_id],
+        rounds=only(events, RecoveryRound),
+        recovered=only(events, StepRecovered),
+        kv=only(events, KvRecomputed),
+        reloaded=only(events, ParamsReloaded),
     )
 
 
 def fault(kind: str, rank, request: int, token: int, phase: str = "forward",
-          times: int = 1, **params) -> dict:
-    return {"kind": kind, "rank": rank, "at": {"request": request, "token": token},
-            "phase": phase, "times": times, "params": params}
+          times: int = 1, **params) -> FaultSpec:
+    return FaultSpec.model_validate({"kind": kind, "rank": rank,
+                                     "at": {"request": request, "token": token},
+                                     "phase": phase, "times": times, "params": params})

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.contracts.plan import FaultPlan
+
 from conftest import GREEDY, PROMPTS, SEEDED, fault, run_with_faults
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -27,11 +29,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 def test_device_reset_recomputes_every_running_request(tp1_engine, baseline, phase, token):
     run = run_with_faults(tp1_engine, GREEDY, [fault("device_reset", 0, 1, token, phase)])
     assert run.error is None and len(run.fired) == 1
-    assert [r["fault"] for r in run.rounds] == ["device_reset"]
-    assert [r["decision"] for r in run.rounds] == ["recompute"]
+    assert [r.fault for r in run.rounds] == ["device_reset"]
+    assert [r.decision for r in run.rounds] == ["recompute"]
     # The whole KV cache was lost: the KV of all four running requests was recomputed once.
     [kv] = run.kv
-    assert kv["requests"] == len(PROMPTS) and kv["tokens"] > 0
+    assert kv.requests == len(PROMPTS) and kv.tokens > 0
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -40,7 +42,7 @@ def test_kv_uce_recomputes_only_the_request_that_owns_the_block(tp1_engine, base
                           [fault("uce", 0, 2, 20, "forward", region="kv")])
     assert run.error is None and len(run.fired) == 1
     [kv] = run.kv
-    assert kv["requests"] == 1
+    assert kv.requests == 1
     assert run.reloaded == []
     assert run.tokens == baseline.tokens["greedy"]
 
@@ -49,7 +51,7 @@ def test_weights_uce_reloads_the_hit_parameter_from_the_checkpoint(tp1_engine, b
     run = run_with_faults(tp1_engine, GREEDY,
                           [fault("uce", 0, 0, 9, "sample", region="weights")])
     assert run.error is None and len(run.fired) == 1
-    assert [e["params"] for e in run.reloaded] == [["model.norm.weight"]]
+    assert [e.params for e in run.reloaded] == [["model.norm.weight"]]
     assert run.kv == []
     assert run.tokens == baseline.tokens["greedy"]
 
@@ -58,7 +60,7 @@ def test_weights_uce_in_a_named_parameter(tp1_engine, baseline):
     run = run_with_faults(tp1_engine, GREEDY, [fault(
         "uce", 0, 3, 4, "forward", region="weights", parameter="lm_head.weight")])
     assert run.error is None
-    assert [e["params"] for e in run.reloaded] == [["lm_head.weight"]]
+    assert [e.params for e in run.reloaded] == [["lm_head.weight"]]
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -77,10 +79,10 @@ def test_hang_is_ended_by_the_operator_timeout(tp1_engine, baseline, phase):
                           [fault("hang", 0, 0, 11, phase, op_timeout_s=0.4)])
     assert run.error is None and len(run.fired) == 1
     [round_] = run.rounds
-    assert round_["fault"] == "hang" and "operator timeout of 0.4 s" in round_["error"]
+    assert round_.fault == "hang" and "operator timeout of 0.4 s" in round_.error
     [recovered] = run.recovered
     # The step ran again right after the timeout: the recovery itself is short.
-    assert recovered["recovery_s"] < 2.0
+    assert recovered.recovery_s < 2.0
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -92,7 +94,7 @@ def test_seeded_sampling_survives_every_recoverable_kind(tp1_engine, baseline):
               fault("oom", 0, 0, 27, "sample", times=2)]
     run = run_with_faults(tp1_engine, SEEDED, faults)
     assert run.error is None
-    assert sorted(e["index"] for e in run.fired) == [0, 1, 2, 3, 4, 4]
+    assert sorted(e.index for e in run.fired) == [0, 1, 2, 3, 4, 4]
     assert run.tokens == baseline.tokens["seeded"]
 
 
@@ -129,12 +131,12 @@ def test_without_repair_the_damage_shows(tiny_model, baseline, tmp_path, fault_s
                                                 (1, "before", 30)])
 def test_device_reset_at_tensor_parallel_2(tp2_engine, baseline, rank, phase, token):
     run = run_with_faults(tp2_engine, GREEDY, [fault("device_reset", rank, 2, token, phase)])
-    assert run.error is None and [e["rank"] for e in run.fired] == [rank]
-    states = {r["rank"]: r["state"] for r in run.rounds}
+    assert run.error is None and [e.rank for e in run.fired] == [rank]
+    states = {r.rank: r.state for r in run.rounds}
     assert states[rank] == "failed" and set(states) == {0, 1}
     # Both ranks ran the KV recompute together (its forward has collectives).
-    assert sorted(e["rank"] for e in run.kv) == [0, 1]
-    assert {e["requests"] for e in run.kv} == {len(PROMPTS)}
+    assert sorted(e.rank for e in run.kv) == [0, 1]
+    assert {e.requests for e in run.kv} == {len(PROMPTS)}
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -144,9 +146,9 @@ def test_memory_errors_at_tensor_parallel_2(tp2_engine, baseline):
               fault("uce", 0, 3, 27, "forward", region="activation")]
     run = run_with_faults(tp2_engine, GREEDY, faults)
     assert run.error is None and len(run.fired) == 3
-    assert sorted((e["rank"], e["requests"]) for e in run.kv) == [(0, 1), (1, 1)]
+    assert sorted((e.rank, e.requests) for e in run.kv) == [(0, 1), (1, 1)]
     # Only the rank whose weights were hit reloads them (its own shard).
-    assert [(e["rank"], e["params"]) for e in run.reloaded] == [(1, ["model.norm.weight"])]
+    assert [(e.rank, e.params) for e in run.reloaded] == [(1, ["model.norm.weight"])]
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -155,9 +157,9 @@ def test_hang_at_tensor_parallel_2(tp2_engine, baseline, rank, phase):
     run = run_with_faults(tp2_engine, GREEDY,
                           [fault("hang", rank, 1, 16, phase, op_timeout_s=0.5)])
     assert run.error is None and len(run.fired) == 1
-    states = {r["rank"]: r["state"] for r in run.rounds}
+    states = {r.rank: r.state for r in run.rounds}
     assert states[rank] == "failed"
-    assert all(r["duration_s"] < 2.0 for r in run.rounds)
+    assert all(r.duration_s < 2.0 for r in run.rounds)
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -165,9 +167,9 @@ def test_different_kinds_on_two_ranks_in_the_same_step(tp2_engine, baseline):
     run = run_with_faults(tp2_engine, GREEDY, [fault("device_reset", 0, 0, 12, "forward"),
                                                fault("uce", 1, 0, 12, "forward", region="kv")])
     assert run.error is None
-    assert sorted((e["rank"], e["kind"]) for e in run.fired) == [(0, "device_reset"),
+    assert sorted((e.rank, e.kind) for e in run.fired) == [(0, "device_reset"),
                                                                  (1, "uce")]
-    assert {r["state"] for r in run.rounds} == {"failed"}
+    assert {r.state for r in run.rounds} == {"failed"}
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -178,10 +180,10 @@ def test_a_second_fault_while_the_first_is_recovered(tp2_engine, baseline):
     run = run_with_faults(tp2_engine, GREEDY, [fault("device_reset", 1, 3, 22, "forward"),
                                                fault("link_flap", 0, 3, 22, "forward", 2)])
     assert run.error is None
-    assert sorted(e["attempt"] for e in run.fired if e["kind"] == "link_flap") == [1, 2]
-    assert len({r["epoch"] for r in run.rounds}) == 2
+    assert sorted(e.attempt for e in run.fired if e.kind == "link_flap") == [1, 2]
+    assert len({r.epoch for r in run.rounds}) == 2
     # The recompute that the link break interrupted did not count: it succeeded once, later.
-    assert sorted(e["rank"] for e in run.kv) == [0, 1]
+    assert sorted(e.rank for e in run.kv) == [0, 1]
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -193,7 +195,7 @@ def test_seeded_compound_faults_at_tensor_parallel_2(tp2_engine, baseline):
               fault("oom", 1, 2, 33, "forward", times=2)]
     run = run_with_faults(tp2_engine, SEEDED, faults)
     assert run.error is None
-    assert sorted(e["index"] for e in run.fired) == [0, 1, 1, 2, 3, 4, 4]
+    assert sorted(e.index for e in run.fired) == [0, 1, 1, 2, 3, 4, 4]
     assert run.tokens == baseline.tokens["seeded"]
 
 
@@ -202,4 +204,4 @@ def test_a_parameter_that_holds_no_data_is_refused_when_planned(tp1_engine):
     bad = fault("uce", 0, 0, 5, "forward", region="weights",
                 parameter="model.layers.0.self_attn.qkv_proj.weight")
     with pytest.raises(Exception, match="no parameter 'model.layers.0.self_attn.qkv_proj"):
-        tp1_engine.set_fault_plan(tp1_engine.new_run_id(), [bad])
+        tp1_engine.set_fault_plan(FaultPlan.from_specs(tp1_engine.new_run_id(), [bad]))

@@ -14,8 +14,11 @@ import psutil
 import pytest
 import torch
 
-from ftkit.inject import parse_request_id, request_id
-from ftkit.vllm.engine import EngineSession, EngineSpec
+from ftkit.contracts.eventlog import FaultFired, only, read_events
+from ftkit.contracts.plan import FaultPlan
+from ftkit.contracts.requests import parse_request_id, request_id
+from ftkit.scenario import EngineSpec
+from ftkit.vllm.engine import EngineSession
 from ftkit.vllm.resume import _replay_draws
 
 from conftest import GREEDY, PROMPTS, assert_reaped, fault, recovery_config
@@ -24,24 +27,23 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def test_killed_worker_is_resumed_token_for_token(tiny_model, baseline, tmp_path):
-    from ftkit.recovery.events import read_events
-
     engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
                            recovery=recovery_config(str(tmp_path)))
     with engine:
         run_id = engine.new_run_id()
-        engine.set_fault_plan(run_id, [fault("process_kill", 1, 1, 17, "forward")])
+        engine.set_fault_plan(FaultPlan.from_specs(
+            run_id, [fault("process_kill", 1, 1, 17, "forward")]))
         first_pids = list(engine.pids)
         out = engine.generate(PROMPTS, GREEDY, run_id=run_id, max_restarts=1,
                               deadline=time.monotonic() + 300)
     assert out.error is None
     assert [r.token_ids for r in out.requests] == baseline.tokens["greedy"]
     [restart] = out.restarts
-    assert restart["resumed_requests"] == [0, 1, 2, 3]
-    assert restart["restart_s"] > 0 and restart["resumed_at_s"] > restart["died_at_s"]
-    [fired] = [e for e in read_events(tmp_path) if e["event"] == "fault_fired"]
-    assert fired["rank"] == 1 and fired["pid"] in first_pids
-    assert not psutil.pid_exists(fired["pid"])
+    assert restart.resumed_requests == (0, 1, 2, 3)
+    assert restart.restart_s > 0 and restart.resumed_at_s > restart.died_at_s
+    [fired] = only(read_events(tmp_path), FaultFired)
+    assert fired.rank == 1 and fired.pid in first_pids
+    assert not psutil.pid_exists(fired.pid)
     # The kill was planned once: the new engine got the plan with the attempt that fired,
     # and did not kill again.
     assert len(engine.pids) > len(first_pids)

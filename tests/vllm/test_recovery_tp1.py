@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.vllm.engine import EngineSession, EngineSpec
+from ftkit.scenario import EngineSpec
+from ftkit.vllm.engine import EngineSession
 
 from conftest import GREEDY, LONG, PROMPTS, SEEDED, fault, new_block_token, recovery_config, run_with_faults
 
@@ -33,10 +34,10 @@ def test_fault_at_any_step_and_phase_gives_identical_tokens(tp1_engine, baseline
     run = run_with_faults(tp1_engine, GREEDY, [fault("oom", 0, request, token, phase, times=2)])
     assert run.error is None
     assert len(run.fired) == 2, "the fault must fire on both attempts"
-    assert {e["token"] for e in run.fired} == {token}
+    assert {e.token for e in run.fired} == {token}
     assert run.tokens == baseline.tokens["greedy"]
-    assert [r["decision"] for r in run.rounds] == ["recompute", "recompute"]
-    assert len(run.recovered) == 1 and run.recovered[0]["failures"] == 2
+    assert [r.decision for r in run.rounds] == ["recompute", "recompute"]
+    assert len(run.recovered) == 1 and run.recovered[0].failures == 2
 
 
 def test_new_block_step_really_allocates_a_block(baseline):
@@ -57,7 +58,7 @@ def test_faults_on_several_requests_and_steps(tp1_engine, baseline):
               fault("oom", 0, 3, 40, "before", times=3)]
     run = run_with_faults(tp1_engine, GREEDY, faults)
     assert run.error is None
-    assert sorted(e["index"] for e in run.fired) == [0, 1, 2, 2, 2]
+    assert sorted(e.index for e in run.fired) == [0, 1, 2, 2, 2]
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -73,7 +74,7 @@ def test_without_rollback_a_new_block_step_corrupts_tokens(tiny_model, baseline,
     oom = fault("oom", 0, 0, token, "forward")
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("_naive_rerun.py")), tiny_model,
-         str(tmp_path), str(LONG.max_tokens), json.dumps(PROMPTS), json.dumps(oom), "rollback"],
+         str(tmp_path), str(LONG.max_tokens), json.dumps(PROMPTS), oom.model_dump_json(), "rollback"],
         capture_output=True, text=True, timeout=240)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -106,7 +107,7 @@ def test_flap_beyond_max_reinference_fails_cleanly(tiny_model, baseline, tmp_pat
     assert run.error is not None
     assert "max_reinference is 2" in run.error
     assert len(run.fired) == 3
-    assert [r["decision"] for r in run.rounds] == ["recompute", "recompute", "raise"]
+    assert [r.decision for r in run.rounds] == ["recompute", "recompute", "raise"]
     # The tokens produced before the failing step are intact.
     for got, want in zip(run.tokens, baseline.tokens["greedy"]):
         assert got == want[: len(got)]
@@ -117,3 +118,52 @@ def test_no_fault_run_with_recovery_on_is_identical(tp1_engine, baseline):
     run = run_with_faults(tp1_engine, GREEDY, [])
     assert run.error is None and not run.fired and not run.rounds
     assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_the_rollback_record_rests_on_vllm_invariants(tp1_engine, baseline):
+    """``V1RunnerState`` records no output-token counts before ``execute_model`` and derives
+    them at a sampling rollback from ``num_tokens_no_spec``. Both rest on vLLM's behaviour,
+    checked here on every real step of staggered greedy, seeded and block-crossing runs:
+    ``execute_model`` never changes a request's output tokens (on the last pipeline stage),
+    and before sampling every row holds ``num_tokens_no_spec = prompt + output tokens``."""
+    core = tp1_engine.llm.llm_engine.engine_core.engine_core
+    wrapper = core.model_executor.driver_worker.worker._ftkit.step_wrapper
+    state = wrapper.state
+    runner = state.runner
+    execute_model, begin_sample = wrapper.execute_model, state.begin_sample
+    checked = {"execute": 0, "rows": 0}
+
+    def checked_execute(call, scheduler_output):
+        def run(arg):
+            before = {r: len(s.output_token_ids) for r, s in runner.requests.items()}
+            out = call(arg)
+            after = {r: len(s.output_token_ids) for r, s in runner.requests.items()
+                     if r in before}
+            assert after == {r: before[r] for r in after}
+            checked["execute"] += 1
+            return out
+        return execute_model(run, scheduler_output)
+
+    def checked_sample():
+        batch = runner.input_batch
+        for index, req_id in enumerate(batch.req_ids):
+            s = runner.requests[req_id]
+            assert batch.num_tokens_no_spec[index] == \
+                s.num_prompt_tokens + len(s.output_token_ids), req_id
+            checked["rows"] += 1
+        return begin_sample()
+
+    wrapper.execute_model, state.begin_sample = checked_execute, checked_sample
+    try:
+        for sampling in (LONG, SEEDED):
+            run = run_with_faults(tp1_engine, sampling, [], submit_after_steps=[0, 0, 3, 9])
+            assert run.error is None
+        # And through a rollback of each RPC (a new block step, a seeded re-sample).
+        token = new_block_token(baseline.prompt_lens[0])
+        run = run_with_faults(tp1_engine, LONG, [fault("oom", 0, 0, token, "forward"),
+                                                 fault("oom", 0, 1, 30, "sample")])
+        assert run.error is None and len(run.fired) == 2
+        assert run.tokens == baseline.tokens["long"]
+    finally:
+        del wrapper.execute_model, state.begin_sample
+    assert checked["execute"] > 100 and checked["rows"] > 300

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from ftkit.vllm.engine import EngineSession, EngineSpec
+from ftkit.scenario import EngineSpec
+from ftkit.vllm.engine import EngineSession
 
 from conftest import (GREEDY, SEEDED, assert_reaped, fault, new_block_token, recovery_config,
                       run_with_faults)
@@ -35,11 +36,11 @@ def test_link_break_recovers_on_every_rank(tp2_engine, baseline, rank, phase, wh
              "new_block": new_block_token(baseline.prompt_lens[request])}[where]
     run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", rank, request, token, phase)])
     assert run.error is None
-    assert [(e["rank"], e["token"]) for e in run.fired] == [(rank, token)]
-    assert run.rounds and all(r["decision"] == "recompute" for r in run.rounds)
+    assert [(e.rank, e.token) for e in run.fired] == [(rank, token)]
+    assert run.rounds and all(r.decision == "recompute" for r in run.rounds)
     # Both ranks took part in the round: the faulty one and its peer.
-    assert {r["rank"] for r in run.rounds} == {0, 1}
-    states = {r["rank"]: r["state"] for r in run.rounds}
+    assert {r.rank for r in run.rounds} == {0, 1}
+    states = {r.rank: r.state for r in run.rounds}
     assert states[rank] == "failed"
     assert run.tokens == baseline.tokens["greedy"]
 
@@ -60,7 +61,7 @@ def test_sampling_fault_before_a_step_that_admits_a_late_request(tp2_engine, bas
                               submit_after_steps=arrivals)
         assert run.error is None and len(run.fired) == 1
         assert run.tokens == baseline.tokens["greedy"]
-        states = {r["rank"]: (r["state"], r["rpc_kind"]) for r in run.rounds}
+        states = {r.rank: (r.state, r.rpc_kind) for r in run.rounds}
         # Request 3's first token came from the step after the faulty one (request 0's
         # token 6): tokens of one engine step share one time.
         joined_next = run.token_times[3][0] == run.token_times[0][6]
@@ -74,25 +75,25 @@ def test_sampling_fault_before_a_step_that_admits_a_late_request(tp2_engine, bas
 def test_healthy_rank_was_really_blocked_and_stopped(tp2_engine, baseline):
     run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", 1, 0, 12, "forward")])
     assert run.error is None
-    peer = [r for r in run.rounds if r["rank"] == 0]
+    peer = [r for r in run.rounds if r.rank == 0]
     # Rank 0 was inside the step's collective when rank 1 failed: its monitor stopped it and
     # it reported "stopped" (not idle, not completed).
-    assert [r["state"] for r in peer] == ["stopped"]
+    assert [r.state for r in peer] == ["stopped"]
     assert run.tokens == baseline.tokens["greedy"]
 
 
 def test_link_flap_within_max_reinference(tp2_engine, baseline):
     run = run_with_faults(tp2_engine, GREEDY, [fault("link_flap", 1, 0, 17, "forward", times=3)])
     assert run.error is None
-    assert [e["attempt"] for e in run.fired] == [1, 2, 3]
-    assert len({r["epoch"] for r in run.rounds}) == 3
+    assert [e.attempt for e in run.fired] == [1, 2, 3]
+    assert len({r.epoch for r in run.rounds}) == 3
     assert run.tokens == baseline.tokens["greedy"]
 
 
 def test_faults_on_both_ranks_in_the_same_step(tp2_engine, baseline):
     run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", "all", 1, 5, "forward")])
     assert run.error is None
-    assert sorted(e["rank"] for e in run.fired) == [0, 1]
+    assert sorted(e.rank for e in run.fired) == [0, 1]
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -101,7 +102,7 @@ def test_several_faults_in_one_run(tp2_engine, baseline):
               fault("link_break", 1, 3, 30, "sample"), fault("oom", 0, 2, 40, "forward")]
     run = run_with_faults(tp2_engine, GREEDY, faults)
     assert run.error is None
-    assert sorted(e["index"] for e in run.fired) == [0, 1, 1, 2, 3]
+    assert sorted(e.index for e in run.fired) == [0, 1, 1, 2, 3]
     assert run.tokens == baseline.tokens["greedy"]
 
 
@@ -122,7 +123,7 @@ def test_flap_beyond_max_reinference_fails_cleanly_and_reaps(tiny_model, baselin
     assert time.monotonic() - started < 180
     assert run.error is not None and "max_reinference is 3" in run.error
     assert len(run.fired) == 4
-    assert [r["decision"] for r in run.rounds if r["rank"] == 0] == ["recompute"] * 3 + ["raise"]
+    assert [r.decision for r in run.rounds if r.rank == 0] == ["recompute"] * 3 + ["raise"]
     for got, want in zip(run.tokens, baseline.tokens["greedy"]):
         assert got == want[: len(got)]
     assert len(run.tokens[0]) <= 17

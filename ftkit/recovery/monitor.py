@@ -1,4 +1,4 @@
-"""FaultAware: the background monitor and the step gate of one rank.
+"""RecoveryMonitor: one rank's monitor thread and step gate.
 
 The monitor thread waits (event driven, on the side channel) for the announcement of the
 next recovery round. When one comes it either
@@ -7,6 +7,11 @@ next recovery round. When one comes it either
   or next collective raises ``CommunicationStopped`` and the main thread joins the round; or
 * takes part in the round itself, if the main thread is between steps, holding the step gate
   shut so that no step starts while communicators are being rebuilt.
+
+The main thread passes the gate before each attempt of a step (``enter_step``) and leaves it
+when the attempt returned (``exit_step_ok``) or joins the round when it raised
+(``join_after_failure``). After every round, whichever thread ran it, the round callback gets
+a ``RoundOutcome``.
 
 The monitor survives every round, whatever its decision, and every one of its waits is
 bounded; an unexpected error in it is logged and the loop goes on (the earlier design's
@@ -19,38 +24,64 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from ftkit.bounds import MONITOR_ERROR_PAUSE_S, MONITOR_WAKE_S
+from ftkit.contracts.step import RpcKind
 from ftkit.errors import RecoveryError
-from ftkit.bounds import MONITOR_WAKE_S
+from ftkit.recovery.channel import SideChannel, SideChannels
 from ftkit.recovery.coordinator import (
     Action,
+    Cause,
     Coordinator,
     Decision,
     RankState,
     RankStatus,
-    RpcKind,
-    SideChannel,
+    RoundTimes,
     trigger_key,
 )
 
 log = logging.getLogger("ftkit")
 
-RoundListener = Callable[[int, RankStatus, Decision, float, float], None]
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """One rank's part of one round, as the round callback receives it."""
+
+    epoch: int
+    #: What this rank reported.
+    status: RankStatus
+    decision: Decision
+    #: Seconds this rank spent in the round.
+    duration_s: float
+    #: ``time.time()`` when this rank's part of the round began.
+    started: float
+    #: ``time.time()`` when this rank's monitor stopped its step for this round (it learnt
+    #: of a peer's fault then), or ``None``.
+    stop_requested: float | None
+    times: RoundTimes
 
 
-class FaultAware:
-    """Shared state between the main thread (steps) and the monitor thread (rounds)."""
+RoundCallback = Callable[[RoundOutcome], None]
 
-    def __init__(self, coordinator: Coordinator, *, main_channel: SideChannel,
-                 channel_factory: Callable[[], SideChannel] | None,
-                 stop_communication: Callable[[], None],
-                 on_round: RoundListener | None = None) -> None:
+
+class RecoveryMonitor:
+    """The monitor thread and the step gate of one rank, and the state they share."""
+
+    def __init__(self, coordinator: Coordinator, channels: SideChannels, *,
+                 stop_communication: Callable[[], None], gate_timeout_s: float,
+                 on_round: RoundCallback | None = None) -> None:
         self.coordinator = coordinator
-        self._main_channel = main_channel
-        self._channel_factory = channel_factory
+        self._channels = channels
+        #: Bound on a step's wait at the gate while the monitor runs a round.
+        self.gate_timeout_s = gate_timeout_s
         self._stop_communication = stop_communication
         self._on_round = on_round
-        self._cond = threading.Condition()
+        # The gate's lock, taken directly (``with self._lock``: no Python-level
+        # ``Condition.__enter__``) on the fault-free path, which every RPC passes twice; a
+        # plain lock, as no thread takes it twice. ``_cond`` waits and notifies on it.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self.epoch = 0
         self._in_step = False
         self._owner: str | None = None  # "main" | "monitor" while a round is being run
@@ -65,13 +96,13 @@ class FaultAware:
         self._shutdown = threading.Event()
         self._thread: threading.Thread | None = None
         #: (epoch, ``time.time()``) of the last round for which the monitor stopped this
-        #: rank's step: when this rank learnt of a peer's fault (for the event log).
-        self.last_stop_request: tuple[int, float] | None = None
+        #: rank's step: when this rank learnt of a peer's fault.
+        self._last_stop_request: tuple[int, float] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._channel_factory is None or self.coordinator.world_size == 1:
+        if self._channels.for_monitor is None or self.coordinator.world_size == 1:
             return  # a world of one has nobody to announce faults to it
         self._thread = threading.Thread(target=self._monitor, name="ftkit-monitor", daemon=True)
         self._thread.start()
@@ -81,15 +112,16 @@ class FaultAware:
 
     # --- main thread --------------------------------------------------------------------------
 
-    def enter_step(self, rpc: int, rpc_kind: RpcKind, step: int, timeout_s: float) -> int:
-        """Called before each attempt of a step RPC; waits while the monitor runs a round.
+    def enter_step(self, rpc: int, rpc_kind: RpcKind, step: int) -> int:
+        """Called before each attempt of a step RPC; waits (at most ``gate_timeout_s``)
+        while the monitor runs a round, and raises ``RecoveryError`` if a round failed.
 
         Returns the number of recovery rounds this rank has completed (its epoch)."""
-        with self._cond:
-            if self._owner == "monitor" and \
-                    not self._cond.wait_for(lambda: self._owner != "monitor", timeout_s):
+        with self._lock:
+            if self._owner == "monitor" and not self._cond.wait_for(
+                    lambda: self._owner != "monitor", self.gate_timeout_s):
                 raise RecoveryError(f"recovery round {self.epoch} did not finish within "
-                                    f"{timeout_s:g} s")
+                                    f"{self.gate_timeout_s:g} s")
             if self._failed is not None:
                 raise RecoveryError(f"an earlier recovery round failed: {self._failed.reason}")
             self._in_step = True
@@ -98,7 +130,7 @@ class FaultAware:
 
     def exit_step_ok(self) -> Decision | None:
         """Called when a step RPC returned. Joins a round announced meanwhile, if any."""
-        with self._cond:
+        with self._lock:
             self._in_step = False
             self._completed = self._rpc
             epoch = self._pending
@@ -108,35 +140,35 @@ class FaultAware:
             self._owner = "main"
         status = RankStatus(self.coordinator.rank, RankState.COMPLETED, self._rpc,
                             self._rpc_kind, self._step)
-        return self._run_round(self._main_channel, epoch, status, owner="main")
+        return self._run_round(self._channels.main, epoch, status, owner="main")
 
     def join_after_failure(self, status: RankStatus) -> Decision:
         """Called by the main thread when its step raised: runs this rank's part of the round."""
-        with self._cond:
+        with self._lock:
             epoch = self.epoch if self._pending is None else self._pending
             self._pending = None
             self._in_step = False
             self._owner = "main"
-        return self._run_round(self._main_channel, epoch, status, owner="main")
+        return self._run_round(self._channels.main, epoch, status, owner="main")
 
     # --- monitor thread -------------------------------------------------------------------------
 
     def _monitor(self) -> None:
-        assert self._channel_factory is not None
-        channel = self._channel_factory()
+        assert self._channels.for_monitor is not None
+        channel = self._channels.for_monitor()
         while not self._shutdown.is_set():
             try:
                 self._watch_once(channel)
             except Exception:  # noqa: BLE001 - the monitor must outlive any one round
                 log.exception("ftkit monitor: error while watching for faults; continuing")
-                time.sleep(0.1)
+                time.sleep(MONITOR_ERROR_PAUSE_S)
 
     def _watch_once(self, channel: SideChannel) -> None:
-        with self._cond:
+        with self._lock:
             epoch = self.epoch
         if not channel.wait([trigger_key(epoch)], MONITOR_WAKE_S):
             return
-        with self._cond:
+        with self._lock:
             if self.epoch != epoch or self._owner == "main" or self._pending == epoch:
                 # The main thread runs (or will run) this round; wait until it is over.
                 self._cond.wait_for(lambda: self.epoch != epoch or self._shutdown.is_set(),
@@ -144,7 +176,7 @@ class FaultAware:
                 return
             if self._in_step:
                 self._pending = epoch
-                self.last_stop_request = (epoch, time.time())
+                self._last_stop_request = (epoch, time.time())
                 self._stop_communication()
                 self._cond.wait_for(lambda: self.epoch != epoch or self._shutdown.is_set(),
                                     MONITOR_WAKE_S)
@@ -165,10 +197,11 @@ class FaultAware:
         try:
             decision = self.coordinator.participate(channel, epoch, status)
         except Exception as exc:  # noqa: BLE001 - a broken round is a clean failure
-            decision = Decision(Action.RAISE, f"recovery round {epoch} failed on rank "
+            decision = Decision(Action.RAISE, Cause.ROUND_FAILED,
+                                f"recovery round {epoch} failed on rank "
                                 f"{self.coordinator.rank}: {type(exc).__name__}: {exc}")
         duration = time.monotonic() - started
-        with self._cond:
+        with self._lock:
             if not decision.recompute:
                 self._failed = decision
             self.epoch = epoch + 1
@@ -176,8 +209,12 @@ class FaultAware:
                 self._owner = None
             self._cond.notify_all()
         if self._on_round is not None:
+            stop = self._last_stop_request
+            outcome = RoundOutcome(epoch, status, decision, duration, wall,
+                                   stop[1] if stop is not None and stop[0] == epoch else None,
+                                   self.coordinator.last_times)
             try:
-                self._on_round(epoch, status, decision, duration, wall)
+                self._on_round(outcome)
             except Exception:  # noqa: BLE001 - recording must never break recovery
                 log.exception("ftkit: recording recovery round %d failed", epoch)
         return decision

@@ -1,17 +1,20 @@
-"""FaultTolerance: token-level re-inference around one rank's step.
+"""StepWrapper: token-level re-inference around one rank's step.
 
 vLLM runs a step as two RPCs on every rank: ``execute_model`` (forward, collectives) and then
-``sample_tokens`` (rank-local sampling). ``FaultTolerance`` wraps both. For each RPC it
+``sample_tokens`` (rank-local sampling). ``StepWrapper`` wraps both. For each RPC it
 
-1. records what the RPC is about to change (``StepState.begin_*``: cheap, proportional to
-   the requests the step schedules),
+1. records what the RPC is about to change (``StepState.begin_*``: cheap; on a decode step
+   that allocates no KV block, a few object references and one copy of a small array),
 2. runs it; if it raises, classifies the error and joins a recovery round with every rank
-   (``FaultAware``): detect, stop, recover the device, rebuild communicators, agree,
+   (``RecoveryMonitor``): detect, stop, recover the device, rebuild communicators, agree,
 3. on ``recompute``: restores the recorded state and runs the same RPC again, up to
-   ``max_reinference`` times; on ``raise``: surfaces the error to the engine.
+   ``max_reinference`` times; on ``raise``: surfaces the error to the engine, as the class
+   of ``ftkit.errors`` that the decision's cause names (``Decision.error``), or as the
+   original error when it is not a fault ftkit handles.
 
 The fault-free path adds no collective and no device synchronisation: one record, one call,
-two lock acquisitions.
+two lock acquisitions (the gate), one call per step hook. It is the per-step cost of ftkit
+that the overhead benchmark's own-time table measures, piece by piece (``make bench``).
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ftkit.errors import ReinferenceExhausted, RecoveryError
+from ftkit.contracts.step import RpcKind, StepHook
 from ftkit.faults import FaultKind, classify, is_peer_stop
-from ftkit.recovery.aware import FaultAware
-from ftkit.recovery.handlers import Repair
-from ftkit.recovery.coordinator import RankState, RankStatus, RpcKind
+from ftkit.recovery.coordinator import RankState, RankStatus
+from ftkit.recovery.damage import Repair
+from ftkit.recovery.monitor import RecoveryMonitor
 
 log = logging.getLogger("ftkit")
 
@@ -41,21 +44,11 @@ class StepState(Protocol):
     def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None: ...
 
 
-class StepHook(Protocol):
-    """Something that wants to see each attempt (the fault injector)."""
+class StepWrapper:
+    """Runs one rank's step RPCs, each attempt through the gate, failures through a round."""
 
-    def on_attempt(self, rpc_kind: RpcKind, step: int, attempt: int, payload: Any) -> None: ...
-    def on_recovered(self, rpc_kind: RpcKind, step: int, failures: int, recovery_s: float,
-                     *, rollback_s: float, rerun_s: float) -> None:
-        """A step recovered: ``recovery_s`` from its first failure until the successful
-        attempt returned; of that, ``rollback_s`` restored the last record and ``rerun_s``
-        ran from the end of that rollback until the re-run returned (lost KV recomputed
-        first, if any)."""
-
-
-class FaultTolerance:
-    def __init__(self, *, rank: int, aware: FaultAware, state: StepState,
-                 gate_timeout_s: float, hooks: list[StepHook] | None = None,
+    def __init__(self, *, rank: int, monitor: RecoveryMonitor, state: StepState,
+                 hooks: list[StepHook] | None = None,
                  recovery_enabled: bool = True,
                  is_stop_error: Callable[[BaseException], bool] = is_peer_stop,
                  assess: Callable[[FaultKind | None], Repair] | None = None) -> None:
@@ -63,13 +56,12 @@ class FaultTolerance:
         #: With recovery off the hooks (fault injection) still run and every error surfaces
         #: as it would without ftkit: the behaviour a scenario compares against.
         self.recovery_enabled = recovery_enabled
-        self.aware = aware
+        self.monitor = monitor
         self.state = state
-        self.gate_timeout_s = gate_timeout_s
         self.hooks: list[StepHook] = list(hooks or [])
         #: Tells a stop of this rank (a peer failed) from a fault of its own; the backend's.
         self.is_stop_error = is_stop_error
-        #: What this rank's own fault destroyed (``ftkit.recovery.handlers.assess``).
+        #: What this rank's own fault destroyed (``ftkit.recovery.damage.assess_damage``).
         self.assess = assess or (lambda kind: Repair())
         self.rpc = 0  # RPCs received (execute and sample), the same count on every rank
         self.step = 0  # execute_model calls received
@@ -78,23 +70,23 @@ class FaultTolerance:
 
     def execute_model(self, call: Callable[[Any], Any], scheduler_output: Any) -> Any:
         self.step += 1
-        record = self.state.begin_execute(scheduler_output)
-        return self._run(RpcKind.EXECUTE, call, scheduler_output, record,
-                         self.state.rollback_execute)
+        state = self.state
+        return self._run(RpcKind.EXECUTE, call, scheduler_output,
+                         state.begin_execute(scheduler_output), state.rollback_execute)
 
     def sample_tokens(self, call: Callable[[Any], Any], grammar_output: Any) -> Any:
-        record = self.state.begin_sample()
-        return self._run(RpcKind.SAMPLE, call, grammar_output, record,
-                         self.state.rollback_sample)
+        state = self.state
+        return self._run(RpcKind.SAMPLE, call, grammar_output, state.begin_sample(),
+                         state.rollback_sample)
 
     def _run(self, rpc_kind: RpcKind, call: Callable[[Any], Any], arg: Any, record: Any,
              rollback: Callable[[Any], None]) -> Any:
         self.rpc += 1
+        monitor, execute = self.monitor, rpc_kind is RpcKind.EXECUTE
         failures = 0
-        first_failure = rollback_s = rerun_from = 0.0
         while True:
-            epoch = self.aware.enter_step(self.rpc, rpc_kind, self.step, self.gate_timeout_s)
-            if rpc_kind is RpcKind.EXECUTE and epoch != self._layout_epoch:
+            epoch = monitor.enter_step(self.rpc, rpc_kind, self.step)
+            if execute and epoch != self._layout_epoch:
                 # A round happened since this rank last laid out its batch: every rank
                 # rebuilds it from the request states, so that all lay it out alike.
                 self.state.reset_batch()
@@ -102,7 +94,7 @@ class FaultTolerance:
             try:
                 for hook in self.hooks:
                     hook.on_attempt(rpc_kind, self.step, failures, arg)
-                if rpc_kind is RpcKind.EXECUTE:
+                if execute:
                     # Device state a fault destroyed (lost KV) is rebuilt first, by forward
                     # passes of its own: inside the attempt, so that a fault there is one too.
                     self.state.before_attempt(arg, call)
@@ -111,15 +103,15 @@ class FaultTolerance:
                 if not self.recovery_enabled:
                     raise
                 failures += 1
-                first_failure = first_failure or time.monotonic()
-                decision = self.aware.join_after_failure(self._status(rpc_kind, failures, exc))
+                if failures == 1:
+                    first_failure = time.monotonic()
+                decision = monitor.join_after_failure(
+                    self._status(rpc_kind, failures, exc))
                 if not decision.recompute:
                     if classify(exc) is None and not self.is_stop_error(exc):
                         raise  # not a fault ftkit handles: the engine sees the original error
-                    error_cls = (ReinferenceExhausted if "max_reinference" in decision.reason
-                                 else RecoveryError)
-                    raise error_cls(f"ftkit: step {self.step} not recovered: "
-                                    f"{decision.reason}") from exc
+                    raise decision.error(f"ftkit: step {self.step} not recovered: "
+                                         f"{decision.reason}") from exc
                 log.warning("ftkit: rank %d step %d (%s) re-inference %d after %s: %s",
                             self.rank, self.step, rpc_kind.value, failures,
                             type(exc).__name__, exc)
@@ -128,10 +120,10 @@ class FaultTolerance:
                 rerun_from = time.monotonic()
                 rollback_s = rerun_from - rollback_started
                 continue
-            joined = self.aware.exit_step_ok()
+            joined = monitor.exit_step_ok()
             if joined is not None and not joined.recompute:
-                raise RecoveryError(f"ftkit: step {self.step}: a peer's fault could not be "
-                                    f"recovered: {joined.reason}")
+                raise joined.error(f"ftkit: step {self.step}: a peer's fault could not be "
+                                   f"recovered: {joined.reason}")
             if failures:
                 done = time.monotonic()
                 for hook in self.hooks:

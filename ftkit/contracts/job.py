@@ -1,0 +1,202 @@
+"""The engine job: what the scenario runner asks of an engine host process, and the answer.
+
+The runner (``ftkit.runner``) writes an ``EngineJob`` as a file and names it in a
+``HostRequest`` line on the host's standard input; the host (``ftkit.vllm.host``) answers with
+``HostMessage`` lines on its standard output (progress, then ``job_done``) and writes the
+``JobResult`` to the job's ``result_path`` before it says ``job_done``, so that what was
+produced survives whatever happens next. Each record serialises itself (``to_json`` /
+``from_json``) with a version; no other module reads these payloads by key strings.
+
+``EngineJob.engine_key()`` is what decides which engine a job needs: jobs with the same key
+can run one after the other on one engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftkit.config import RecoveryConfig
+from ftkit.contracts.plan import FaultPlan
+from ftkit.errors import EngineError
+from ftkit.results import RequestOutput
+from ftkit.scenario.model import EngineSpec
+
+#: The version of the job's, the result's and the host lines' JSON form.
+VERSION = 1
+
+
+def _check_version(raw: dict[str, Any], what: str) -> dict[str, Any]:
+    if raw.pop("v", None) != VERSION:
+        raise EngineError(f"{what} of another version; this ftkit reads version {VERSION}")
+    return raw
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How every request of a workload is sampled (``seed``: request *i* uses ``seed + i``)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """One workload on one engine.
+
+    ``engine.model`` is the model directory (already resolved). ``recovery`` is None for a
+    plain engine (ftkit not installed: the fault-free baseline), and its ``event_log_dir`` is
+    the host's. ``plan`` has no run id yet: the host gives the run one. ``max_restarts``: new
+    engines the run may start after one of the engine's processes died (a kill), resuming the
+    requests. ``multiprocess``: the engine core runs in a process of its own.
+    """
+
+    engine: EngineSpec
+    sampling: SamplingSpec
+    prompts: tuple[str, ...]
+    recovery: RecoveryConfig | None = None
+    plan: FaultPlan = field(default_factory=lambda: FaultPlan(None))
+    max_restarts: int = 0
+    multiprocess: bool = False
+    result_path: str | None = None
+
+    def engine_key(self) -> str:
+        """What decides the engine this job needs. Not in it: ``max_reinference`` (set per run
+        through the fault plan) and ``event_log_dir`` (each host has its own)."""
+        recovery = None
+        if self.recovery is not None:
+            recovery = self.recovery.replace(max_reinference=0, event_log_dir=None).to_mapping()
+        return json.dumps({"engine": self.engine.model_dump(mode="json"), "recovery": recovery,
+                           "multiprocess": self.multiprocess}, sort_keys=True)
+
+    def replace(self, **changes: Any) -> EngineJob:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "v": VERSION,
+            "engine": self.engine.model_dump(mode="json"),
+            "sampling": dataclasses.asdict(self.sampling),
+            "prompts": list(self.prompts),
+            "recovery": None if self.recovery is None else self.recovery.to_mapping(),
+            "plan": self.plan.to_json(),
+            "max_restarts": self.max_restarts,
+            "multiprocess": self.multiprocess,
+            "result_path": self.result_path,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineJob:
+        raw = _check_version(json.loads(text), "an engine job")
+        return cls(
+            engine=EngineSpec.model_validate(raw["engine"]),
+            sampling=SamplingSpec(**raw["sampling"]),
+            prompts=tuple(raw["prompts"]),
+            recovery=(None if raw["recovery"] is None
+                      else RecoveryConfig.from_mapping(raw["recovery"])),
+            plan=FaultPlan.from_json(raw["plan"]),
+            max_restarts=raw["max_restarts"],
+            multiprocess=raw["multiprocess"],
+            result_path=raw["result_path"],
+        )
+
+
+@dataclass(frozen=True)
+class EngineRestart:
+    """One engine restart inside a run, after one of the engine's processes died. Times are
+    seconds from the workload's submission, except ``restart_s`` (a duration)."""
+
+    #: The error the dead engine surfaced.
+    error: str
+    died_at_s: float
+    #: From the death until the new engine was up (and the old one reaped).
+    restart_s: float
+    #: When the unfinished requests were submitted again on the new engine.
+    resumed_at_s: float
+    resumed_requests: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What one job produced; ``error`` is the engine's error (or why there was no run)."""
+
+    requests: tuple[RequestOutput, ...] = ()
+    error: str | None = None
+    engine_start_s: float = 0.0
+    generate_s: float = 0.0
+    #: ``time.time()`` when the workload was submitted (the zero of every token time).
+    started_at: float | None = None
+    #: The run id the host gave the workload (its fault events carry it).
+    run_id: str | None = None
+    restarts: tuple[EngineRestart, ...] = ()
+
+    def replace(self, **changes: Any) -> JobResult:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        return json.dumps({"v": VERSION, **d})
+
+    @classmethod
+    def from_json(cls, text: str) -> JobResult:
+        raw = _check_version(json.loads(text), "an engine job's result")
+        return cls(
+            requests=tuple(RequestOutput(**r) for r in raw.pop("requests")),
+            restarts=tuple(EngineRestart(**{**r, "resumed_requests":
+                                            tuple(r["resumed_requests"])})
+                           for r in raw.pop("restarts")),
+            **raw)
+
+
+@dataclass(frozen=True)
+class HostRequest:
+    """One line to an engine host: run the job in ``job_path``, or (``None``) exit."""
+
+    job_path: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"v": VERSION, "job_path": self.job_path})
+
+    @classmethod
+    def from_json(cls, text: str) -> HostRequest:
+        return cls(**_check_version(json.loads(text), "a host request"))
+
+
+class Stage(str, enum.Enum):
+    """What an engine host says it is doing."""
+
+    ENGINE_START = "engine_start"
+    ENGINE_READY = "engine_ready"
+    TOKENS = "tokens"
+    #: The job's result is written.
+    JOB_DONE = "job_done"
+    CLOSING = "closing"
+    EXIT = "exit"
+
+
+#: The stages a front end shows (as ``ftkit.progress.ProgressEvent`` stages of the same name).
+SHOWN_STAGES = frozenset({Stage.ENGINE_START, Stage.ENGINE_READY, Stage.TOKENS})
+
+
+@dataclass(frozen=True)
+class HostMessage:
+    """One line from an engine host: its stage, with a message or the token progress."""
+
+    stage: Stage
+    message: str = ""
+    tokens_done: int = 0
+    tokens_total: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps({"v": VERSION, "stage": self.stage.value, "message": self.message,
+                           "tokens_done": self.tokens_done, "tokens_total": self.tokens_total})
+
+    @classmethod
+    def from_json(cls, text: str) -> HostMessage:
+        raw = _check_version(json.loads(text), "a host message")
+        return cls(**{**raw, "stage": Stage(raw["stage"])})

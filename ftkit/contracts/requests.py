@@ -1,0 +1,43 @@
+"""The ids of a run's requests: how the runner names them and how a worker recognises them.
+
+The scenario runner (through the engine session) submits request ``index`` of run ``run_id``
+as ``ftkit:<run_id>:<index>``, and a request resumed after ``offset`` output tokens as
+``ftkit:<run_id>:<index>+<offset>``; vLLM appends a random suffix (``-...``) to the id it uses
+internally. The injector in every worker finds a fault's request by this id.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+REQUEST_ID = "ftkit:{run_id}:{index}"
+_REQUEST_ID_RE = re.compile(
+    r"^ftkit:(?P<run>[A-Za-z0-9_.]+):(?P<index>\d+)(?:\+(?P<offset>\d+))?(?:-|$)")
+
+
+class RequestRef(NamedTuple):
+    run_id: str
+    index: int
+    #: Output tokens the request had produced before it was resumed (0: not resumed).
+    offset: int = 0
+
+
+def request_id(run_id: str, index: int, offset: int = 0) -> str:
+    rid = REQUEST_ID.format(run_id=run_id, index=index)
+    return f"{rid}+{offset}" if offset else rid
+
+
+def parse_request_id(req_id: str) -> RequestRef | None:
+    m = _REQUEST_ID_RE.match(req_id)
+    if not m:
+        return None
+    return RequestRef(m.group("run"), int(m.group("index")), int(m.group("offset") or 0))
+
+
+def request_matcher(run_id: str, index: int) -> Callable[[str], bool]:
+    """A test for the ids vLLM uses for request ``index`` of run ``run_id``: resumed or not,
+    with or without vLLM's suffix."""
+    prefix = request_id(run_id, index)
+    return lambda rid: rid == prefix or rid.startswith((prefix + "-", prefix + "+"))

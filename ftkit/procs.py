@@ -1,0 +1,181 @@
+"""The one process toolkit: spawn, watch for a death, kill a tree, reap.
+
+Used by the scenario runner (its engine hosts), the engine session (the engine's processes)
+and the pytest plugin (through the engine session). What a caller may rely on:
+
+* A process is named by a ``psutil.Process``, which remembers the process's start time: a pid
+  that now belongs to another process (another start time) is never signalled nor waited
+  for. ``identify(pid)`` pins a pid to the process that has it now.
+* ``alive`` is the one liveness check: the process exists, is the same process, and has not
+  exited (a zombie has exited).
+* Every function that signals goes through one kill loop (``_signal``) and every wait is
+  bounded (``ftkit.bounds``); a child of this process that has exited is waited for (reaped),
+  so no zombie of ours is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import psutil
+
+from ftkit.bounds import DEATH_WATCH_POLL_S, PROCESS_POLL_S, REAP_GRACE_S
+
+log = logging.getLogger("ftkit")
+
+
+def spawn(argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
+    """Start ``argv`` in a new session (so a Ctrl-C to the terminal reaches only its owner,
+    which then kills the whole tree); ``popen``: further ``subprocess.Popen`` arguments."""
+    return subprocess.Popen(list(argv), start_new_session=True, **popen)
+
+
+def identify(pid: int) -> psutil.Process | None:
+    """The process that has ``pid`` now (pinned by its start time), or None if none has."""
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def descendants(proc: psutil.Process) -> list[psutil.Process]:
+    """Every process below ``proc`` now; empty if ``proc`` is gone or is not itself any more."""
+    if not alive(proc):
+        return []
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs: it exists, it is the same process (start time), and it has
+    not exited."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def kill(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """SIGKILL each of ``procs`` that is alive, without waiting; return all of them, for
+    ``wait_gone`` (or ``reap``) later."""
+    procs = list(procs)
+    _signal(procs, signal.SIGKILL)
+    return procs
+
+
+def wait_gone(procs: Iterable[psutil.Process], timeout_s: float = REAP_GRACE_S
+              ) -> list[psutil.Process]:
+    """Wait until each of ``procs`` has exited (and, if it is a child of this process, has
+    been reaped), at most ``timeout_s``; return those that have not."""
+    left = list(procs)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [p for p in left if not _gone(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(PROCESS_POLL_S)
+
+
+def kill_tree(root: psutil.Process, also: Iterable[psutil.Process] = (),
+              timeout_s: float = REAP_GRACE_S) -> list[psutil.Process]:
+    """Kill ``root``, every process below it and the processes ``also`` (for instance ones
+    seen below it earlier and since reparented away), and wait for them; return those still
+    there after ``timeout_s``."""
+    procs = [root, *descendants(root)]
+    procs += [p for p in also if p not in procs]
+    return wait_gone(kill(procs), timeout_s)
+
+
+def reap(procs: Iterable[psutil.Process], grace_s: float = REAP_GRACE_S) -> list[int]:
+    """Ask each of ``procs`` to terminate, kill those still there after ``grace_s``, and wait
+    for them (about ``2 * grace_s`` at most); return the pids that had to be killed."""
+    procs = [p for p in procs if not _gone(p)]
+    _signal(procs, signal.SIGTERM)
+    left = wait_gone(procs, grace_s)
+    wait_gone(kill(left), grace_s)
+    return [p.pid for p in left]
+
+
+def is_process_helper(proc: psutil.Process) -> bool:
+    """Python's multiprocessing resource tracker: one per process, started by the first
+    engine that needs it, not owned by any engine. It ignores SIGTERM and exits by itself when
+    the process that started it exits, so it is neither an engine process nor an orphan."""
+    try:
+        return any("resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
+    """The kill loop: send ``sig`` to each of ``procs`` that is alive (psutil refuses a pid
+    that another process has taken since)."""
+    for p in procs:
+        if alive(p):
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """``proc`` has exited and needs no wait: a child of this process is reaped here; a zombie
+    of another parent is dead, and only that parent (init, for an orphaned worker) can reap
+    it, in its own time."""
+    try:
+        mine = proc.is_running() and proc.ppid() == os.getpid()
+    except psutil.Error:
+        return True
+    if mine:
+        try:
+            proc.wait(timeout=0)
+        except psutil.TimeoutExpired:
+            return False
+        except psutil.Error:
+            pass
+        return True
+    return not alive(proc)
+
+
+class DeathWatch:
+    """While it is entered: notices the death of any of ``procs``, kills the others (only
+    these), and calls ``on_death(pid)`` once, from its own thread."""
+
+    def __init__(self, procs: Iterable[psutil.Process],
+                 on_death: Callable[[int], None] | None = None) -> None:
+        self._procs = list(procs)
+        self._on_death = on_death
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> DeathWatch:
+        if self._procs:
+            self._thread = threading.Thread(target=self._watch, name="ftkit-death-watch",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=DEATH_WATCH_POLL_S * 20)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(DEATH_WATCH_POLL_S):
+            dead = next((p for p in self._procs if not alive(p)), None)
+            if dead is None:
+                continue
+            log.warning("ftkit: process %d died; stopping the processes it worked with",
+                        dead.pid)
+            kill(p for p in self._procs if p is not dead)
+            if self._on_death is not None:
+                self._on_death(dead.pid)
+            return

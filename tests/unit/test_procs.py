@@ -1,0 +1,142 @@
+"""The process toolkit on real child processes (sleepers): spawn in a new session, the one
+liveness check, kill a tree, reap (terminate, then kill), the death watch, and that a pid now
+held by another process is never signalled."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from ftkit import procs
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+#: A sleeper that ignores SIGTERM (like a rank spinning in a collective).
+STUBBORN = [sys.executable, "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)"]
+#: A sleeper with a sleeping child of its own; prints the child's pid.
+PARENT = [sys.executable, "-c",
+          "import subprocess, sys, time; "
+          "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+          "print(c.pid, flush=True); time.sleep(60)"]
+
+
+@pytest.fixture
+def started():
+    """Spawn children for a test; whatever is left of them is killed afterwards."""
+    children: list[subprocess.Popen] = []
+
+    def start(argv, **kw):
+        child = procs.spawn(argv, **kw)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=10)
+
+
+def test_spawn_starts_the_child_in_a_session_of_its_own(started):
+    child = started(SLEEP)
+    assert os.getsid(child.pid) == child.pid != os.getsid(0)
+
+
+def test_alive_is_false_once_the_process_exited_even_before_it_is_reaped(started):
+    child = started(SLEEP)
+    proc = procs.identify(child.pid)
+    assert proc is not None and procs.alive(proc)
+    os.kill(child.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while procs.alive(proc) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not procs.alive(proc)  # a zombie: exited, not yet waited for
+    assert procs.wait_gone([proc], timeout_s=5) == []  # now reaped
+    assert not psutil.pid_exists(child.pid)
+
+
+def test_identify_a_pid_that_no_process_has():
+    child = subprocess.Popen(SLEEP)
+    child.kill()
+    child.wait()
+    assert procs.identify(child.pid) is None
+
+
+def test_kill_tree_kills_the_process_and_everything_below_it(started):
+    parent = started(PARENT, stdout=subprocess.PIPE, text=True)
+    grandchild = int(parent.stdout.readline())
+    root = procs.identify(parent.pid)
+    assert root is not None
+    assert grandchild in [p.pid for p in procs.descendants(root)]
+    left = procs.kill_tree(root)
+    assert left == []
+    assert parent.poll() is not None
+    assert not psutil.pid_exists(grandchild) or \
+        psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_kill_tree_also_kills_processes_seen_below_it_before(started):
+    root_child = started(SLEEP)
+    other = started(SLEEP)
+    root, seen = procs.identify(root_child.pid), procs.identify(other.pid)
+    assert procs.kill_tree(root, also={seen}) == []
+    assert root_child.poll() is not None and other.poll() is not None
+
+
+def test_reap_terminates_and_kills_only_what_ignores_the_terminate(started):
+    polite = started(SLEEP)
+    stubborn = started(STUBBORN, stdout=subprocess.PIPE, text=True)
+    assert stubborn.stdout.readline().strip() == "ready"  # its handler is in place
+    handles = [procs.identify(polite.pid), procs.identify(stubborn.pid)]
+    killed = procs.reap(handles, grace_s=0.5)
+    assert killed == [stubborn.pid]  # the polite one ended on the terminate
+    # Both are gone and reaped (by procs: their exit codes are not Popen's to see).
+    assert not psutil.pid_exists(polite.pid) and not psutil.pid_exists(stubborn.pid)
+
+
+def test_a_pid_now_held_by_another_process_is_never_signalled(started):
+    child = started(SLEEP)
+    stale = psutil.Process(child.pid)
+    # What a handle looks like once its process died and the kernel gave the pid to a new
+    # process: the same pid, another start time. (Forcing the kernel to reuse a pid is not
+    # possible from a test; the handle's identity is what psutil and procs check.)
+    stale._ident = (child.pid, stale._ident[1] - 1000.0)
+    assert not procs.alive(stale)
+    procs.kill([stale])
+    assert procs.reap([stale], grace_s=0.2) == []
+    assert procs.kill_tree(stale) == []
+    time.sleep(0.1)
+    assert child.poll() is None  # the process that holds the pid now was left alone
+    assert procs.alive(procs.identify(child.pid))
+
+
+def test_death_watch_kills_the_others_and_reports_the_first_death(started):
+    first, second = started(SLEEP), started(SLEEP)
+    handles = [procs.identify(first.pid), procs.identify(second.pid)]
+    deaths: list[int] = []
+    with procs.DeathWatch(handles, on_death=deaths.append):
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert deaths == [first.pid]
+    assert second.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_death_watch_without_processes_does_nothing():
+    deaths: list[int] = []
+    with procs.DeathWatch([], on_death=deaths.append):
+        time.sleep(0.1)
+    assert deaths == []
+
+
+def test_the_resource_tracker_is_a_helper_not_an_engine_process(started):
+    child = started(SLEEP)
+    assert not procs.is_process_helper(procs.identify(child.pid))

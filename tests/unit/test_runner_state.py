@@ -1,0 +1,151 @@
+"""The rollback record of ``V1RunnerState`` on a stand-in for vLLM's V1 runner: what it keeps
+(O(1) on a decode step that allocates no block) and that rollback puts back exactly what a
+step changes. ``tests/vllm/test_recovery_tp1.py`` pins the vLLM invariants it relies on."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ftkit.errors import FtkitError
+from ftkit.vllm.runner_state import V1RunnerState, check_supported
+
+
+class Batch:
+    """The parts of vLLM's InputBatch that the record touches."""
+
+    def __init__(self, req_ids: list[str], num_tokens: list[int]) -> None:
+        self.req_ids = list(req_ids)
+        self.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
+        self.num_tokens_no_spec = np.zeros(8, dtype=np.int32)
+        self.num_tokens_no_spec[:len(num_tokens)] = num_tokens
+        self.generators: dict[int, torch.Generator] = {}
+        self.all_greedy = True
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+def request(prompt: int, output: list[int], blocks: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(num_prompt_tokens=prompt, output_token_ids=list(output),
+                           block_ids=(list(blocks),))
+
+
+def runner(requests: dict[str, Any], batch: Batch) -> SimpleNamespace:
+    return SimpleNamespace(
+        input_batch=batch, requests=requests, num_prompt_logprobs={},
+        use_async_scheduling=False, speculative_config=None, device=torch.device("cpu"),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        compilation_config=SimpleNamespace(cudagraph_mode=None), execute_model_state=None)
+
+
+def scheduled(new: list[str] = (), cached: list[str] = (), new_blocks: list[Any] = (),
+              resumed: set[str] = frozenset()) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
+                                              new_block_ids=list(new_blocks),
+                                              resumed_req_ids=set(resumed)))
+
+
+def make(**requests: Any) -> tuple[V1RunnerState, SimpleNamespace]:
+    batch = Batch(list(requests), [r.num_prompt_tokens + len(r.output_token_ids)
+                                   for r in requests.values()])
+    r = runner(dict(requests), batch)
+    state = V1RunnerState(r)
+    state.reset_batch = lambda: None  # the stand-in batch has no rows to remove
+    return state, r
+
+
+def test_a_decode_step_without_new_blocks_records_nothing_per_request():
+    state, _ = make(a=request(3, [7], [0]), b=request(4, [], [1]))
+    record = state.begin_execute(scheduled(cached=["a", "b"], new_blocks=[None, None]))
+    assert not record.new_req_ids and not record.grown
+    assert state.begin_execute(scheduled(cached=["a", "b"], new_blocks=[None, None])) is record
+
+
+def test_rollback_execute_truncates_appended_blocks_in_place_and_forgets_new_requests():
+    a, b, c = request(3, [7], [0]), request(4, [], [1, 2]), request(2, [5], [3])
+    state, r = make(a=a, b=b, c=c)
+    lists = a.block_ids[0], b.block_ids[0]
+    so = scheduled(new=["n"], cached=["a", "b", "c"], new_blocks=[([9],), None, ([8],)],
+                   resumed={"c"})
+    record = state.begin_execute(so)
+    assert record.new_req_ids == ["n"] and record.grown == [("a", (1,))]
+    # What _update_states does: register the new request, append blocks (not to "c", which
+    # is resumed: its block ids are replaced wholesale).
+    r.requests["n"] = request(2, [], [4])
+    a.block_ids[0].extend([9])
+    c.block_ids = ([8],)
+    state.rollback_execute(record)
+    assert "n" not in r.requests
+    assert a.block_ids[0] == [0] and b.block_ids[0] == [1, 2]
+    assert (a.block_ids[0], b.block_ids[0]) == lists and a.block_ids[0] is lists[0]
+    # A failure before _update_states ran: the rollback leaves the lists as they were.
+    state.rollback_execute(record)
+    assert a.block_ids[0] == [0]
+
+
+def test_rollback_sample_derives_each_rows_output_count_from_its_token_count():
+    a, b = request(3, [7, 8], [0]), request(4, [], [1])
+    state, r = make(a=a, b=b)
+    record = state.begin_sample()
+    assert record.rows == {"a": 0, "b": 1}
+    assert np.frombuffer(record.num_tokens, dtype=np.int32)[:2].tolist() == [5, 4]
+    # What sample_tokens does: one token per row, in the request state and the row's count.
+    a.output_token_ids.append(11)
+    b.output_token_ids.append(12)
+    r.input_batch.num_tokens_no_spec[:2] += 1
+    state.rollback_sample(record)
+    assert a.output_token_ids == [7, 8] and b.output_token_ids == []
+    assert r.input_batch.num_tokens_no_spec[:2].tolist() == [5, 4]
+    # The record is a copy: a second rollback after a second failure restores the same.
+    a.output_token_ids.append(13)
+    state.rollback_sample(record)
+    assert a.output_token_ids == [7, 8]
+
+
+def test_rollback_sample_refuses_a_count_the_invariant_cannot_have_produced():
+    a = request(3, [7], [0])
+    state, r = make(a=a)
+    r.input_batch.num_tokens_no_spec[0] = 9  # not prompt + output tokens
+    record = state.begin_sample()
+    with pytest.raises(FtkitError, match="num_tokens_no_spec"):
+        state.rollback_sample(record)
+
+
+def test_rollback_sample_refuses_rows_that_moved():
+    state, r = make(a=request(3, [7], [0]), b=request(4, [], [1]))
+    record = state.begin_sample()
+    r.input_batch.req_id_to_index = {"a": 1, "b": 0}
+    with pytest.raises(FtkitError, match="rows"):
+        state.rollback_sample(record)
+
+
+def test_a_random_batch_keeps_pristine_logits_and_every_generator():
+    state, r = make(a=request(3, [7], [0]))
+    batch = r.input_batch
+    batch.all_greedy = False
+    gen = torch.Generator().manual_seed(5)
+    batch.generators = {0: gen}
+    logits = torch.arange(4.0)
+    r.execute_model_state = SimpleNamespace(logits=logits,
+                                            _replace=lambda **kw: SimpleNamespace(**kw))
+    record = state.begin_sample()
+    drawn = torch.rand(3, generator=gen)
+    logits.mul_(0)  # the sampler works on the logits in place
+    state.rollback_sample(record)
+    assert torch.equal(torch.rand(3, generator=gen), drawn)
+    assert r.execute_model_state.logits.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_pipeline_parallelism_is_refused_at_start():
+    r = runner({}, Batch([], []))
+    r.parallel_config = SimpleNamespace(pipeline_parallel_size=2)
+    with pytest.raises(FtkitError, match="pipeline_parallel_size=1"):
+        check_supported(r)
