@@ -32,10 +32,6 @@ class PlannedFault:
     def on_rank(self, rank: int) -> bool:
         return self.spec.rank == "all" or self.spec.rank == rank
 
-    @property
-    def attempts_left(self) -> int:
-        return self.spec.times - self.fired
-
 
 @dataclass(frozen=True)
 class FaultPlan:
@@ -56,10 +52,6 @@ class FaultPlan:
         """This plan with the attempts that already fired (by fault index)."""
         return replace(self, faults=tuple(replace(f, fired=fired.get(f.index, f.fired))
                                           for f in self.faults))
-
-    def for_rank(self, rank: int) -> list[PlannedFault]:
-        """The faults this rank still has to fire."""
-        return [f for f in self.faults if f.on_rank(rank) and f.attempts_left > 0]
 
     def to_json(self) -> str:
         return json.dumps({

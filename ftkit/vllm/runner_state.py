@@ -224,16 +224,15 @@ class V1RunnerState:
             view = self._counts = memoryview(counts)
         state = runner.execute_model_state
         record = SampleRecord(state, batch.req_id_to_index.copy(), view.tobytes())
-        if record.rows and not batch.all_greedy:
-            logits = getattr(state, "logits", None) if state is not None else None
+        sampled_randomly = bool(record.rows) and not batch.all_greedy
+        # (vLLM gives only randomly sampled rows a generator; seeded rows have one each.)
+        if sampled_randomly or batch.generators:
+            logits = getattr(state, "logits", None) if sampled_randomly and state is not None \
+                else None
             record.random = _RandomState(
                 logits.clone() if logits is not None else None,
                 {index: gen.get_state() for index, gen in batch.generators.items()},
-                self.rng.get_rng_state())
-        elif batch.generators:  # (vLLM gives only randomly sampled rows a generator)
-            record.random = _RandomState(
-                None, {index: gen.get_state() for index, gen in batch.generators.items()},
-                None)
+                self.rng.get_rng_state() if sampled_randomly else None)
         return record
 
     def rollback_sample(self, record: SampleRecord) -> None:

@@ -238,31 +238,3 @@ def test_status_with_repairs_survives_the_side_channel():
     status = dataclasses.replace(failed(1, 4, "uce"), kv_lost=(2, 5),
                                  reload_params=("model.norm.weight",))
     assert RankStatus.from_json(status.to_json()) == status
-
-
-def test_the_damage_assessment_says_what_each_kind_destroyed():
-    from ftkit.backends.base import MemoryFault
-    from ftkit.faults import FaultKind
-    from ftkit.recovery.damage import Repair, assess_damage
-
-    class Device:
-        def __init__(self, faults):
-            self.faults = faults
-
-        def memory_faults(self):
-            return self.faults
-
-    class Memory:
-        def classify(self, faults):
-            from types import SimpleNamespace
-
-            return SimpleNamespace(kv_blocks={f.address for f in faults if f.address < 100},
-                                   params={"w"} if any(f.address >= 100 for f in faults)
-                                   else set(), other=0)
-
-    none = Device([])
-    assert assess_damage(FaultKind.DEVICE_RESET, none, Memory()) == Repair(kv_lost_all=True)
-    assert assess_damage(FaultKind.LINK_BREAK, none, Memory()) == Repair()
-    assert assess_damage(FaultKind.UCE, Device([MemoryFault(5, 8), MemoryFault(200, 8)]),
-                         Memory()) == Repair(kv_lost=(5,), reload_params=("w",))
-    assert "no address" in assess_damage(FaultKind.UCE, none, Memory()).unrecoverable

@@ -126,6 +126,7 @@ def test_the_damage_of_each_kind():
     from types import SimpleNamespace
 
     from ftkit.backends.base import MemoryFault
+    from ftkit.recovery.damage import assess_damage
 
     class Device:
         def __init__(self, faults):
@@ -151,3 +152,9 @@ def test_the_damage_of_each_kind():
     assert uce(none, Memory()).unrecoverable.startswith("the device reported no address")
     assert uce(Device([MemoryFault(5, 8)]), None).unrecoverable == \
         "no map of the device memory to classify the error"
+    # The recovery engine reaches each kind's assessment through one dispatcher.
+    assert assess_damage(FaultKind.DEVICE_RESET, none, Memory()) == Repair(kv_lost_all=True)
+    assert assess_damage(FaultKind.LINK_BREAK, none, Memory()) == Repair()
+    assert assess_damage(FaultKind.UCE, Device([MemoryFault(5, 8), MemoryFault(200, 8)]),
+                         Memory()) == Repair(kv_lost=(5,), reload_params=("w",))
+    assert "no address" in assess_damage(FaultKind.UCE, none, Memory()).unrecoverable
