@@ -1,20 +1,23 @@
 """ftkit's own time per fault-free step, measured where it is spent, and where it goes.
 
-At tensor parallel 1, in process (the worker lives in this process): one worker's
-``StepWrapper.execute_model`` / ``sample_tokens`` are wrapped on that instance, the whole call
-and the model runner's call inside it timed (``perf_counter_ns``); ftkit's own time is the
-difference, per step (an execute and a sample RPC).
+At tensor parallel 1, in process (the worker lives in this process): the worker's
+``execute_model`` / ``sample_tokens``, as vLLM's RPCs reach them (ftkit's plugin replaced them
+with its wrapper bound to the worker's own method), are timed whole, and the worker's own
+method inside is timed too (``perf_counter_ns``); ftkit's own time is the difference, per step
+(an execute and a sample RPC): everything ftkit runs on the step's path, from the plugin's
+entry to the model runner and back.
 
 Where it goes is measured in separate runs of the same workload (``breakdown``): the pieces of
 the wrapped step are timed too, each on its instance, so that their timers do not inflate the
 headline figure:
 
-* ``record execute``: ``StepState.begin_execute`` (what ``_update_states`` will change),
-* ``record sample``: ``StepState.begin_sample`` (tokens, generators, the forward state),
+* ``record sample``: ``StepState.begin_sample`` (the forward state, the row map, generators;
+  ``execute_model`` takes no record: its rollback is derived from the scheduler output),
 * ``gate``: the step gate, ``RecoveryMonitor.enter_step`` and ``exit_step_ok``, per attempt,
-* ``hooks``: every step hook's ``on_attempt`` and the lost-KV check
-  (``StepState.before_attempt``),
-* ``timer floor``: what the same outer timers report around a bare call (the wrapper's methods
+* ``hooks``: every step hook's ``on_attempt`` and the lost-KV repair
+  (``StepState.before_attempt``); both are skipped on the fault-free path (no fault planned,
+  nothing lost), so this piece is zero there unless a plan is set,
+* ``timer floor``: what the same outer timers report around a bare call (ftkit's wrapper
   replaced by ``call(arg)``, in runs of their own): the measurement's own share of the headline,
 * ``rest``: the headline minus all of the above: the wrapper's own code (its calls, the attempt
   loop, the counters).
@@ -27,6 +30,7 @@ caches are cold, and every Python call on the step's path costs about a microsec
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,26 +39,43 @@ from benchmarks.common import open_sessions, prompts, tiny_model, worker_of
 from benchmarks.stats import Summary, fmt_summary, markdown_table, summarize
 from ftkit import EngineSession, EngineSpec, RecoveryConfig, SamplingSpec
 
-PIECES = ("record_execute", "record_sample", "gate", "hooks")
-_LABELS = {"record_execute": "record execute", "record_sample": "record sample",
-           "gate": "gate", "hooks": "hooks"}
+PIECES = ("record_sample", "gate", "hooks")
+_LABELS = {"record_sample": "record sample", "gate": "gate", "hooks": "hooks"}
+
+
+RPCS = ("execute_model", "sample_tokens")
+
+
+def ftkit_entries(worker: Any) -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
+    """Per step RPC of ``worker``: (ftkit's wrapper, the worker's own method), from the
+    ``functools.partial(wrapper, own_method)`` that ftkit's plugin installed on the worker."""
+    entries = {}
+    for name in RPCS:
+        bound = getattr(worker, name)
+        if not isinstance(bound, functools.partial) or len(bound.args) != 1:
+            raise RuntimeError(f"ftkit: the worker's {name} is not ftkit's wrapper")
+        entries[name] = (bound.func, bound.args[0])
+    return entries
 
 
 class OwnTime:
-    """Wraps one worker's ``StepWrapper.execute_model`` / ``sample_tokens`` (on that
-    instance): the whole call and the model runner's call inside it are timed; ftkit's own
-    time is the difference. With ``pieces``, the pieces of the step (``PIECES``) are timed
-    as well, each on its instance."""
+    """Replaces one worker's ``execute_model`` / ``sample_tokens`` (``entries``: ftkit's
+    wrapper and the worker's own method, per RPC) by timed ones: the whole call and the
+    worker's own method inside it are timed; ftkit's own time is the difference. With
+    ``pieces``, the pieces of the step (``PIECES``) are timed as well, each on its instance
+    (``wrapper``: the worker's ``StepWrapper``)."""
 
-    def __init__(self, wrapper: Any, pieces: bool = False) -> None:
+    def __init__(self, worker: Any, entries: dict[str, tuple[Callable[..., Any],
+                                                             Callable[..., Any]]],
+                 wrapper: Any = None, pieces: bool = False) -> None:
         #: (whole ns, runner ns, {piece: ns}) per RPC
         self.samples: list[tuple[int, int, dict[str, int]]] = []
         self._pieces = dict.fromkeys(PIECES, 0)
-        for name in ("execute_model", "sample_tokens"):
-            setattr(wrapper, name, self._wrap(getattr(wrapper, name)))
+        self._timed: list[tuple[Any, str]] = []  # (instance, method name) timed as a piece
+        for name, (method, inner) in entries.items():
+            setattr(worker, name, self._wrap(method, inner))
         if pieces:
             state, monitor = wrapper.state, wrapper.monitor
-            self._time(state, "begin_execute", "record_execute")
             self._time(state, "begin_sample", "record_sample")
             self._time(monitor, "enter_step", "gate")
             self._time(monitor, "exit_step_ok", "gate")
@@ -62,8 +83,14 @@ class OwnTime:
             for hook in wrapper.hooks:
                 self._time(hook, "on_attempt", "hooks")
 
+    def remove_piece_timers(self) -> None:
+        for obj, name in self._timed:
+            delattr(obj, name)  # the class's method shows through again
+        self._timed = []
+
     def _time(self, obj: Any, name: str, piece: str) -> None:
         method = getattr(obj, name)
+        self._timed.append((obj, name))
         totals = self._pieces
         clock = time.perf_counter_ns
 
@@ -75,17 +102,18 @@ class OwnTime:
                 totals[piece] += clock() - started
         setattr(obj, name, timed)
 
-    def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(call: Any, arg: Any) -> Any:
-            inner = [0]
+    def _wrap(self, method: Callable[..., Any], call: Callable[..., Any]) -> Callable[..., Any]:
+        inner = [0]
 
-            def runner_call(a: Any) -> Any:
-                started = time.perf_counter_ns()
-                try:
-                    return call(a)
-                finally:
-                    inner[0] += time.perf_counter_ns() - started
+        def runner_call(a: Any) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return call(a)
+            finally:
+                inner[0] += time.perf_counter_ns() - started
 
+        def timed(arg: Any) -> Any:
+            inner[0] = 0
             for piece in PIECES:
                 self._pieces[piece] = 0
             started = time.perf_counter_ns()
@@ -108,7 +136,7 @@ def probe_cost_us(repeats: int = 20000) -> float:
 
     plain, timed = Noop(), Noop()
     probe = OwnTime.__new__(OwnTime)
-    probe._pieces = {"gate": 0}
+    probe._pieces, probe._timed = {"gate": 0}, []
     probe._time(timed, "call", "gate")
     costs = []
     for _ in range(5):
@@ -148,9 +176,10 @@ def measure_own_time(batches: tuple[int, ...], repeats: int, max_tokens: int,
     rows, pieces_rows = [], []
     with open_sessions({"ftkit": session}):
         session.generate(prompts(2), sampling)  # builds the recovery engine at its first step
-        wrapper = worker_of(session)._ftkit.step_wrapper
-        plain = {name: getattr(wrapper, name) for name in ("execute_model", "sample_tokens")}
-        probe = OwnTime(wrapper)
+        worker = worker_of(session)
+        wrapper = worker._ftkit.step_wrapper
+        entries = ftkit_entries(worker)
+        probe = OwnTime(worker, entries)
         for batch in batches:
             steps = _run(session, probe, batch, repeats, sampling)
             rows.append({"batch": batch, "steps": len(steps),
@@ -159,28 +188,31 @@ def measure_own_time(batches: tuple[int, ...], repeats: int, max_tokens: int,
                          "share": summarize(s["ftkit"] / s["runner"] for s in steps
                                             if s["runner"] > 0).to_dict()})
         if breakdown:
-            for name, method in plain.items():
-                setattr(wrapper, name, method)
-            probe = OwnTime(wrapper, pieces=True)
+            probe = OwnTime(worker, entries, wrapper, pieces=True)
             for batch in batches:
                 steps = _run(session, probe, batch, repeats, sampling)
                 pieces_rows.append(
                     {"batch": batch, "steps": len(steps),
                      **{f"{k}_us": summarize(s[k] for s in steps).to_dict()
                         for k in ("ftkit", *PIECES)}})
-            for name in plain:  # the bare call: what the timers alone report
-                setattr(wrapper, name, lambda call, arg: call(arg))
-            probe = OwnTime(wrapper)
+            probe.remove_piece_timers()
+            # The bare call: what the timers alone report.
+            probe = OwnTime(worker, {name: (_bare, inner)
+                                     for name, (_, inner) in entries.items()})
             for batch, row in zip(batches, pieces_rows):
                 steps = _run(session, probe, batch, repeats, sampling)
                 row["floor_us"] = summarize(s["ftkit"] for s in steps).to_dict()
-            for name, method in plain.items():
-                setattr(wrapper, name, method)
+        for name, (method, inner) in entries.items():  # ftkit's own entries again
+            setattr(worker, name, functools.partial(method, inner))
     result: dict[str, Any] = {"tp": 1, "rows": rows}
     if breakdown:
         result["breakdown"] = pieces_rows
         result["probe_us"] = probe_cost_us()
     return result
+
+
+def _bare(call: Callable[[Any], Any], arg: Any) -> Any:
+    return call(arg)
 
 
 def _run(session: EngineSession, probe: OwnTime, batch: int, repeats: int,

@@ -143,25 +143,24 @@ def _overhead(result: dict[str, Any]) -> str:
 
 def _snapshot(result: dict[str, Any]) -> str:
     configs = result["results"]
-    by_batch: dict[tuple[str, int], list[tuple[int, int, float, float]]] = {}
+    by_batch: dict[tuple[str, int], list[tuple[int, int, float]]] = {}
     for c in configs:
         for row in c["rows"]:
-            if row["execute"].get("n") and row["sample"].get("n"):
+            if row["sample"].get("n"):
                 by_batch.setdefault((row["sampling"], row["batch"]), []).append(
-                    (c["max_model_len"], c["max_num_seqs"], row["execute"]["bytes"],
-                     row["sample"]["bytes"]))
+                    (c["max_model_len"], c["max_num_seqs"], row["sample"]["bytes"]))
     flat = [key for key, vals in by_batch.items()
-            if len({(e, s) for _, _, e, s in vals}) == 1 and len(vals) > 1]
-    greedy = sorted((b, vals[0][2] + vals[0][3]) for (kind, b), vals in by_batch.items()
+            if len({s for _, _, s in vals}) == 1 and len(vals) > 1]
+    greedy = sorted((b, vals[0][2]) for (kind, b), vals in by_batch.items()
                     if kind == "greedy")
     legacy = [(c["max_model_len"], c["max_num_seqs"], c["legacy"]["bytes_per_step"])
               for c in configs]
     reading = []
     if greedy:
         (b0, bytes0), (b1, bytes1) = greedy[0], greedy[-1]
-        reading.append(f"A greedy step's records hold {bytes0:.0f} bytes at batch {b0} and "
-                       f"{bytes1:.0f} at batch {b1}: they grow with the requests the step "
-                       f"schedules.")
+        reading.append(f"A greedy step's record holds {bytes0:.0f} bytes at batch {b0} and "
+                       f"{bytes1:.0f} at batch {b1}" + (": it does not grow with the requests "
+                       "the step schedules." if bytes0 == bytes1 else "."))
     multi = [key for key, vals in by_batch.items() if len(vals) > 1]
     reading.append(
         f"Across max_model_len and max_num_seqs the record's bytes are identical for "
@@ -176,12 +175,13 @@ def _snapshot(result: dict[str, Any]) -> str:
     reading.append("The times are taken where the calls run, first thing in the RPC after a "
                    "forward pass, with cold caches: a few microseconds of each are the cache "
                    "misses of any code run there. Seeded sampling also copies the logits and "
-                   "every generator's state (5 KiB each), still per scheduled request.")
+                   "every generator's state (5 KiB each), per seeded request.")
     return ("### Snapshot cost\n\n"
-            "The per-step rollback record (`V1RunnerState.begin_execute` / `begin_sample`), "
-            "timed around the real calls on the runner state of an in-process engine (tensor "
-            "parallel 1, recovery on), steady decode steps only; bytes are what the record "
-            "allocates (containers and copied tensors, not what it refers to). The legacy "
+            "The per-step rollback record (`V1RunnerState.begin_sample`; `execute_model` takes "
+            "none: its rollback is derived from its scheduler output), timed around the real "
+            "call on the runner state of an in-process engine (tensor parallel 1, recovery "
+            "on), steady decode steps only; bytes are what the record allocates (containers "
+            "and copied tensors, not what it refers to). The legacy "
             "columns time the earlier design's two clones of the token-id table on the same "
             "runner.\n\n" + snapshot.table(result) + "\n\n"
             + "\n".join(f"- {r}" for r in reading))

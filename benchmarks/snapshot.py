@@ -1,11 +1,13 @@
 """Cost of the per-step rollback record as the batch, ``max_model_len`` and ``max_num_seqs``
 grow, next to the earlier design's full copies of the token-id table.
 
-Measured on real runner state: an in-process engine (tensor parallel 1, recovery on), so that
-the worker and its ``V1RunnerState`` live in this process. After a warm-up the state's
-``begin_execute`` and ``begin_sample`` are replaced, on that instance only, by wrappers that
-time the real call (``perf_counter_ns``) and then size the record it returned. Only steady
-decode steps count: steps that schedule exactly the workload's requests, one token each.
+``execute_model`` takes no record (its rollback is derived from its scheduler output); the
+record is the one ``sample_tokens`` takes. Measured on real runner state: an in-process engine
+(tensor parallel 1, recovery on), so that the worker and its ``V1RunnerState`` live in this
+process. After a warm-up the state's ``begin_sample`` is replaced, on that instance only, by a
+wrapper that times the real call (``perf_counter_ns``) and then sizes the record it returned.
+Only steady decode steps count: steps that schedule exactly the workload's requests, one token
+each.
 
 Bytes are what the record allocates: its containers (``sys.getsizeof``) and the arrays and
 tensors it copies (the rows' token counts, logits and generator states, ``nbytes``). What it
@@ -34,6 +36,9 @@ from ftkit import EngineSession, EngineSpec, RecoveryConfig, SamplingSpec
 GREEDY = SamplingSpec(max_tokens=24)
 SEEDED = SamplingSpec(max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
 LEGACY_COPIES_PER_STEP = 2
+#: Fields of the record that refer to what vLLM keeps anyway (its forward state, its row map,
+#: the step's scheduler output): not allocated by the record.
+REFERENCED = frozenset({"execute_model_state", "rows", "scheduled"})
 LEGACY_TIMING_REPEATS = 15
 
 
@@ -63,7 +68,7 @@ def record_bytes(obj: Any, _seen: set[int] | None = None) -> int:
     if is_dataclass(obj):
         return sys.getsizeof(obj) + sum(
             record_bytes(getattr(obj, f.name), seen) for f in fields(obj)
-            if f.name != "execute_model_state")
+            if f.name not in REFERENCED)
     if isinstance(obj, dict):
         return sys.getsizeof(obj) + sum(record_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple, set, frozenset)):
@@ -72,35 +77,22 @@ def record_bytes(obj: Any, _seen: set[int] | None = None) -> int:
 
 
 class Probe:
-    """Times the runner state's ``begin_execute`` / ``begin_sample`` of one worker."""
+    """Times the runner state's ``begin_sample`` of one worker."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
         self.samples: list[dict[str, Any]] = []
-        self._execute = state.begin_execute
         self._sample = state.begin_sample
-        state.begin_execute = self.begin_execute
         state.begin_sample = self.begin_sample
 
-    def begin_execute(self, scheduler_output: Any) -> Any:
+    def begin_sample(self, scheduler_output: Any) -> Any:
         started = time.perf_counter_ns()
-        record = self._execute(scheduler_output)
+        record = self._sample(scheduler_output)
         ns = time.perf_counter_ns() - started
         scheduled = scheduler_output.num_scheduled_tokens
         decode = scheduler_output.total_num_scheduled_tokens == len(scheduled)
-        self.samples.append({"rpc": "execute", "requests": len(scheduled), "decode": decode,
+        self.samples.append({"rpc": "sample", "requests": len(scheduled), "decode": decode,
                              "ns": ns, "bytes": record_bytes(record)})
-        return record
-
-    def begin_sample(self) -> Any:
-        started = time.perf_counter_ns()
-        record = self._sample()
-        ns = time.perf_counter_ns() - started
-        batch = self.state.runner.input_batch
-        last = self.samples[-1] if self.samples else {}
-        self.samples.append({"rpc": "sample", "requests": batch.num_reqs,
-                             "decode": bool(last.get("decode")), "ns": ns,
-                             "bytes": record_bytes(record)})
         return record
 
     def take(self) -> list[dict[str, Any]]:
@@ -148,7 +140,6 @@ def measure_config(max_model_len: int, max_num_seqs: int, plan: Plan) -> dict[st
                 raise RuntimeError(out.error)
             samples = probe.take()
             rows.append({"sampling": sampling_name, "batch": batch,
-                         "execute": steady(samples, "execute", batch),
                          "sample": steady(samples, "sample", batch)})
         legacy = legacy_copy(runner)
     return {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "rows": rows,
@@ -169,15 +160,14 @@ def table(result: dict[str, Any]) -> str:
     for config in result["results"]:
         legacy = config["legacy"]
         for row in config["rows"]:
-            ex, sa = row["execute"], row["sample"]
+            sa = row["sample"]
             rows.append([
                 config["max_model_len"], config["max_num_seqs"], row["batch"], row["sampling"],
-                _us(ex), fmt(ex.get("bytes")), _us(sa), fmt(sa.get("bytes")),
+                _us(sa), fmt(sa.get("bytes")),
                 fmt(legacy["us_per_step"]["median"]), f"{legacy['bytes_per_step'] / 2**20:.1f} MiB",
             ])
     return markdown_table(["max_model_len", "max_num_seqs", "batch", "sampling",
-                           "execute record us", "execute bytes", "sample record us",
-                           "sample bytes", "legacy copies us/step", "legacy bytes/step"], rows)
+                           "sample record us", "sample bytes", "legacy copies us/step", "legacy bytes/step"], rows)
 
 
 def _us(stats: dict[str, Any]) -> str:

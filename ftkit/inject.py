@@ -114,6 +114,11 @@ class Injector:
         self._armed: tuple[_Pending, Firing] | None = None  # to fire at the forward/sample hook
 
     @property
+    def attempts_wanted(self) -> bool:
+        """Only a plan with faults of this rank needs to see the attempts."""
+        return bool(self.faults)
+
+    @property
     def run_id(self) -> str | None:
         return self._site.run_id
 

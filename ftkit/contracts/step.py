@@ -22,6 +22,11 @@ class RpcKind(str, enum.Enum):
 class StepHook(Protocol):
     """Something that wants to see each attempt of a step (the fault injector)."""
 
+    #: Whether ``on_attempt`` should run: read by the step wrapper when told that it may
+    #: have changed (``StepWrapper.hooks_changed``), so that a hook with nothing to do
+    #: costs the fault-free step nothing. ``on_recovered`` runs whatever it says.
+    attempts_wanted: bool
+
     def on_attempt(self, rpc_kind: RpcKind, step: int, attempt: int, payload: Any) -> None:
         """Attempt ``attempt`` (0: the first) of RPC ``rpc_kind`` of step ``step`` starts;
         ``payload`` is the RPC's argument (the scheduler output for ``EXECUTE``)."""

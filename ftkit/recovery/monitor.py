@@ -13,6 +13,16 @@ when the attempt returned (``exit_step_ok``) or joins the round when it raised
 (``join_after_failure``). After every round, whichever thread ran it, the round callback gets
 a ``RoundOutcome``.
 
+The gate takes no lock on the fault-free path: the main thread writes that it is in a step,
+then looks whether the monitor owns a round (or failed one); the monitor, under the lock,
+writes its claim on a round, then looks whether the main thread is in a step, and withdraws
+the claim if so (``_claim``). Each writes before it reads, and CPython runs the two threads'
+bytecodes in one order, so at least one of them sees the other: never both a step and a
+round at once. Leaving a step, the main thread writes that it left, then looks for a round
+announced meanwhile; the monitor, after announcing one to a step, looks again whether the step
+is over, and runs the round itself if it is (whichever of the two takes it under the lock
+first runs it). Everything off the fault-free path takes the lock, as before.
+
 The monitor survives every round, whatever its decision, and every one of its waits is
 bounded; an unexpected error in it is logged and the loop goes on (the earlier design's
 monitor died on its first distributed error and left later faults uncoordinated).
@@ -77,9 +87,9 @@ class RecoveryMonitor:
         self.gate_timeout_s = gate_timeout_s
         self._stop_communication = stop_communication
         self._on_round = on_round
-        # The gate's lock, taken directly (``with self._lock``: no Python-level
-        # ``Condition.__enter__``) on the fault-free path, which every RPC passes twice; a
-        # plain lock, as no thread takes it twice. ``_cond`` waits and notifies on it.
+        # The lock of everything off the fault-free path (the gate's fast path takes none:
+        # see the module); a plain lock, as no thread takes it twice. ``_cond`` waits and
+        # notifies on it.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self.epoch = 0
@@ -117,7 +127,15 @@ class RecoveryMonitor:
         while the monitor runs a round, and raises ``RecoveryError`` if a round failed.
 
         Returns the number of recovery rounds this rank has completed (its epoch)."""
+        self._in_step = True  # written before the monitor's claim is read: see the module
+        if self._owner is None and self._failed is None:
+            self._rpc, self._rpc_kind, self._step = rpc, rpc_kind, step
+            return self.epoch
+        return self._enter_waiting(rpc, rpc_kind, step)
+
+    def _enter_waiting(self, rpc: int, rpc_kind: RpcKind, step: int) -> int:
         with self._lock:
+            self._in_step = False  # waiting, not in a step, until the round is over
             if self._owner == "monitor" and not self._cond.wait_for(
                     lambda: self._owner != "monitor", self.gate_timeout_s):
                 raise RecoveryError(f"recovery round {self.epoch} did not finish within "
@@ -130,12 +148,14 @@ class RecoveryMonitor:
 
     def exit_step_ok(self) -> Decision | None:
         """Called when a step RPC returned. Joins a round announced meanwhile, if any."""
+        self._completed = self._rpc  # before leaving: an idle rank reports it
+        self._in_step = False  # written before a round announced meanwhile is read
+        if self._pending is None:
+            return None
         with self._lock:
-            self._in_step = False
-            self._completed = self._rpc
             epoch = self._pending
             if epoch is None:
-                return None
+                return None  # the monitor saw this step end and runs the round itself
             self._pending = None
             self._owner = "main"
         status = RankStatus(self.coordinator.rank, RankState.COMPLETED, self._rpc,
@@ -169,24 +189,47 @@ class RecoveryMonitor:
         if not channel.wait([trigger_key(epoch)], MONITOR_WAKE_S):
             return
         with self._lock:
-            if self.epoch != epoch or self._owner == "main" or self._pending == epoch:
+            if self.epoch != epoch or self._owner == "main":
+                claimed = False  # the main thread runs this round
+            elif self._pending == epoch:
+                # Announced to a step earlier: run it here if that step has ended since.
+                claimed = self._claim_pending()
+            elif self._claim():
+                claimed = True  # the main thread is between steps
+            else:
+                # The main thread is in a step: stop it; its failure (or its step's end)
+                # joins the round, unless the step ended meanwhile without seeing it.
+                self._pending = epoch
+                self._last_stop_request = (epoch, time.time())
+                self._stop_communication()
+                claimed = self._claim_pending()
+            if not claimed:
                 # The main thread runs (or will run) this round; wait until it is over.
                 self._cond.wait_for(lambda: self.epoch != epoch or self._shutdown.is_set(),
                                     MONITOR_WAKE_S)
                 return
-            if self._in_step:
-                self._pending = epoch
-                self._last_stop_request = (epoch, time.time())
-                self._stop_communication()
-                self._cond.wait_for(lambda: self.epoch != epoch or self._shutdown.is_set(),
-                                    MONITOR_WAKE_S)
-                return
-            self._owner = "monitor"
         status = RankStatus(self.coordinator.rank, RankState.IDLE, self._completed,
                             RpcKind.NONE, self._step)
         decision = self._run_round(channel, epoch, status, owner="monitor")
         if not decision.recompute:
             log.error("ftkit: recovery round %d decided to raise: %s", epoch, decision.reason)
+
+    def _claim(self) -> bool:
+        """(Lock held.) Take the next round for the monitor thread, unless the main thread is
+        in a step: the claim is written first, then the step looked at (see the module)."""
+        self._owner = "monitor"
+        if self._in_step:
+            self._owner = None
+            return False
+        return True
+
+    def _claim_pending(self) -> bool:
+        """(Lock held.) Take the round announced to a step that has ended since (its end did
+        not see the announcement, or has not taken the lock to run it yet)."""
+        if self._in_step or not self._claim():
+            return False
+        self._pending = None
+        return True
 
     # --- one round ------------------------------------------------------------------------------
 

@@ -3,8 +3,10 @@
 vLLM runs a step as two RPCs on every rank: ``execute_model`` (forward, collectives) and then
 ``sample_tokens`` (rank-local sampling). ``StepWrapper`` wraps both. For each RPC it
 
-1. records what the RPC is about to change (``StepState.begin_*``: cheap; on a decode step
-   that allocates no KV block, a few object references and one copy of a small array),
+1. records what the RPC is about to change: nothing for ``execute_model``, whose scheduler
+   output says all it changes (``StepState.rollback_execute`` derives the undo from it); for
+   ``sample_tokens``, ``StepState.begin_sample`` (references, and copies only of what a random
+   re-sample needs),
 2. runs it; if it raises, classifies the error and joins a recovery round with every rank
    (``RecoveryMonitor``): detect, stop, recover the device, rebuild communicators, agree,
 3. on ``recompute``: restores the recorded state and runs the same RPC again, up to
@@ -12,9 +14,11 @@ vLLM runs a step as two RPCs on every rank: ``execute_model`` (forward, collecti
    of ``ftkit.errors`` that the decision's cause names (``Decision.error``), or as the
    original error when it is not a fault ftkit handles.
 
-The fault-free path adds no collective and no device synchronisation: one record, one call,
-two lock acquisitions (the gate), one call per step hook. It is the per-step cost of ftkit
-that the overhead benchmark's own-time table measures, piece by piece (``make bench``).
+The fault-free path adds no collective, no device synchronisation and no lock: the sample
+record and the gate's flags (``RecoveryMonitor``). A hook runs only while it wants attempts
+(the injector, while a plan has faults), the lost-KV repair only while KV is lost. It is the
+per-step cost of ftkit that the overhead benchmark's own-time table measures, piece by piece
+(``make bench``).
 """
 
 from __future__ import annotations
@@ -36,16 +40,29 @@ log = logging.getLogger("ftkit")
 class StepState(Protocol):
     """What the recovery engine needs from the model runner (given by ``ftkit.vllm``)."""
 
-    def begin_execute(self, scheduler_output: Any) -> Any: ...
-    def rollback_execute(self, record: Any) -> None: ...
-    def begin_sample(self) -> Any: ...
+    #: True while device state a fault destroyed (lost KV) waits to be rebuilt: only then
+    #: does the wrapper call ``before_attempt``.
+    repair_pending: bool
+
+    def rollback_execute(self, scheduler_output: Any) -> None:
+        """Undo what ``execute_model(scheduler_output)`` changed, however far it got."""
+    def begin_sample(self, scheduler_output: Any) -> Any:
+        """What ``sample_tokens`` after the step of ``scheduler_output`` will change."""
     def rollback_sample(self, record: Any) -> None: ...
     def reset_batch(self) -> None: ...
     def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None: ...
 
 
+_EXECUTE, _SAMPLE = RpcKind.EXECUTE, RpcKind.SAMPLE
+
+
 class StepWrapper:
-    """Runs one rank's step RPCs, each attempt through the gate, failures through a round."""
+    """Runs one rank's step RPCs, each attempt through the gate, failures through a round.
+
+    The first attempt of each RPC is written out in ``execute_model`` / ``sample_tokens``
+    (the fault-free path: each Python call there costs about a microsecond with the caches
+    the forward pass left cold); re-runs after a failure go through ``_recover``.
+    """
 
     def __init__(self, *, rank: int, monitor: RecoveryMonitor, state: StepState,
                  hooks: list[StepHook] | None = None,
@@ -59,76 +76,123 @@ class StepWrapper:
         self.monitor = monitor
         self.state = state
         self.hooks: list[StepHook] = list(hooks or [])
+        #: The hooks whose ``on_attempt`` runs (``attempts_wanted``; see ``hooks_changed``).
+        self._attempt_hooks: list[StepHook] = []
+        self.hooks_changed()
         #: Tells a stop of this rank (a peer failed) from a fault of its own; the backend's.
         self.is_stop_error = is_stop_error
         #: What this rank's own fault destroyed (``ftkit.recovery.damage.assess_damage``).
         self.assess = assess or (lambda kind: Repair())
         self.rpc = 0  # RPCs received (execute and sample), the same count on every rank
         self.step = 0  # execute_model calls received
+        #: The scheduler output of the last ``execute_model`` (the step being sampled).
+        self._scheduled: Any = None
         #: Recovery rounds seen when the persistent batch was last laid out afresh.
         self._layout_epoch = 0
 
+    def hooks_changed(self) -> None:
+        """Re-read which hooks want ``on_attempt`` (call it between steps, when a hook's
+        ``attempts_wanted`` changed: the injector's, when a plan is set)."""
+        self._attempt_hooks = [hook for hook in self.hooks if hook.attempts_wanted]
+
     def execute_model(self, call: Callable[[Any], Any], scheduler_output: Any) -> Any:
-        self.step += 1
+        self.step = step = self.step + 1
+        self.rpc = rpc = self.rpc + 1
+        self._scheduled = scheduler_output
         state = self.state
-        return self._run(RpcKind.EXECUTE, call, scheduler_output,
-                         state.begin_execute(scheduler_output), state.rollback_execute)
+        monitor = self.monitor
+        epoch = monitor.enter_step(rpc, _EXECUTE, step)
+        if epoch != self._layout_epoch:
+            # A round happened since this rank last laid out its batch: every rank rebuilds
+            # it from the request states, so that all lay it out alike.
+            state.reset_batch()
+            self._layout_epoch = epoch
+        try:
+            for hook in self._attempt_hooks:
+                hook.on_attempt(_EXECUTE, step, 0, scheduler_output)
+            if state.repair_pending:
+                # Device state a fault destroyed (lost KV) is rebuilt first, by forward
+                # passes of its own: inside the attempt, so that a fault there is one too.
+                state.before_attempt(scheduler_output, call)
+            out = call(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - every failure goes through a round
+            return self._recover(_EXECUTE, call, scheduler_output, scheduler_output,
+                                 state.rollback_execute, exc)
+        joined = monitor.exit_step_ok()
+        if joined is not None:
+            self._check_joined(joined)
+        return out
 
     def sample_tokens(self, call: Callable[[Any], Any], grammar_output: Any) -> Any:
+        self.rpc = rpc = self.rpc + 1
         state = self.state
-        return self._run(RpcKind.SAMPLE, call, grammar_output, state.begin_sample(),
-                         state.rollback_sample)
+        record = state.begin_sample(self._scheduled)
+        monitor = self.monitor
+        monitor.enter_step(rpc, _SAMPLE, self.step)
+        try:
+            for hook in self._attempt_hooks:
+                hook.on_attempt(_SAMPLE, self.step, 0, grammar_output)
+            out = call(grammar_output)
+        except Exception as exc:  # noqa: BLE001 - every failure goes through a round
+            return self._recover(_SAMPLE, call, grammar_output, record,
+                                 state.rollback_sample, exc)
+        joined = monitor.exit_step_ok()
+        if joined is not None:
+            self._check_joined(joined)
+        return out
 
-    def _run(self, rpc_kind: RpcKind, call: Callable[[Any], Any], arg: Any, record: Any,
-             rollback: Callable[[Any], None]) -> Any:
-        self.rpc += 1
-        monitor, execute = self.monitor, rpc_kind is RpcKind.EXECUTE
+    def _check_joined(self, joined: Any) -> None:
+        """After an attempt that returned: the round it joined (a peer's fault) must have
+        decided to go on."""
+        if not joined.recompute:
+            raise joined.error(f"ftkit: step {self.step}: a peer's fault could not be "
+                               f"recovered: {joined.reason}")
+
+    def _recover(self, rpc_kind: RpcKind, call: Callable[[Any], Any], arg: Any, record: Any,
+                 rollback: Callable[[Any], None], exc: Exception) -> Any:
+        """After the first attempt of an RPC raised ``exc``: rounds, rollbacks and re-runs
+        until an attempt returns or a round decides to raise."""
+        if not self.recovery_enabled:
+            raise exc
+        monitor, state, execute = self.monitor, self.state, rpc_kind is _EXECUTE
+        first_failure = time.monotonic()
         failures = 0
         while True:
+            # ``exc``: the attempt that just failed.
+            failures += 1
+            decision = monitor.join_after_failure(self._status(rpc_kind, failures, exc))
+            if not decision.recompute:
+                if classify(exc) is None and not self.is_stop_error(exc):
+                    raise exc  # not a fault ftkit handles: the engine sees the original error
+                raise decision.error(f"ftkit: step {self.step} not recovered: "
+                                     f"{decision.reason}") from exc
+            log.warning("ftkit: rank %d step %d (%s) re-inference %d after %s: %s",
+                        self.rank, self.step, rpc_kind.value, failures,
+                        type(exc).__name__, exc)
+            rollback_started = time.monotonic()
+            rollback(record)
+            rerun_from = time.monotonic()
+            rollback_s = rerun_from - rollback_started
             epoch = monitor.enter_step(self.rpc, rpc_kind, self.step)
             if execute and epoch != self._layout_epoch:
-                # A round happened since this rank last laid out its batch: every rank
-                # rebuilds it from the request states, so that all lay it out alike.
-                self.state.reset_batch()
+                state.reset_batch()
                 self._layout_epoch = epoch
             try:
-                for hook in self.hooks:
+                for hook in self._attempt_hooks:
                     hook.on_attempt(rpc_kind, self.step, failures, arg)
-                if execute:
-                    # Device state a fault destroyed (lost KV) is rebuilt first, by forward
-                    # passes of its own: inside the attempt, so that a fault there is one too.
-                    self.state.before_attempt(arg, call)
+                if execute and state.repair_pending:
+                    state.before_attempt(arg, call)
                 out = call(arg)
-            except Exception as exc:  # noqa: BLE001 - every failure goes through a round
-                if not self.recovery_enabled:
-                    raise
-                failures += 1
-                if failures == 1:
-                    first_failure = time.monotonic()
-                decision = monitor.join_after_failure(
-                    self._status(rpc_kind, failures, exc))
-                if not decision.recompute:
-                    if classify(exc) is None and not self.is_stop_error(exc):
-                        raise  # not a fault ftkit handles: the engine sees the original error
-                    raise decision.error(f"ftkit: step {self.step} not recovered: "
-                                         f"{decision.reason}") from exc
-                log.warning("ftkit: rank %d step %d (%s) re-inference %d after %s: %s",
-                            self.rank, self.step, rpc_kind.value, failures,
-                            type(exc).__name__, exc)
-                rollback_started = time.monotonic()
-                rollback(record)
-                rerun_from = time.monotonic()
-                rollback_s = rerun_from - rollback_started
+            except Exception as again:  # noqa: BLE001 - every failure goes through a round
+                exc = again
                 continue
             joined = monitor.exit_step_ok()
-            if joined is not None and not joined.recompute:
-                raise joined.error(f"ftkit: step {self.step}: a peer's fault could not be "
-                                   f"recovered: {joined.reason}")
-            if failures:
-                done = time.monotonic()
-                for hook in self.hooks:
-                    hook.on_recovered(rpc_kind, self.step, failures, done - first_failure,
-                                      rollback_s=rollback_s, rerun_s=done - rerun_from)
+            if joined is not None:
+                self._check_joined(joined)
+            done = time.monotonic()
+            for hook in self.hooks:
+                hook.on_recovered(rpc_kind, self.step, failures, done - first_failure,
+                                  rollback_s=rollback_s, rerun_s=done - rerun_from)
             return out
 
     def _status(self, rpc_kind: RpcKind, failures: int, exc: BaseException) -> RankStatus:

@@ -30,7 +30,7 @@ from ftkit.config import CONFIG_KEY, RecoveryConfig
 log = logging.getLogger("ftkit")
 
 #: Marks ftkit's wrappers (vLLM's own decorators already set ``__wrapped__``).
-_MARK = "__ftkit_wrapped__"
+WRAPPED_MARK = "__ftkit_wrapped__"
 
 
 def register() -> None:
@@ -43,7 +43,7 @@ def register() -> None:
 
     _hide_key_from_vllm_ascend()
     original = worker_base.WorkerBase.__init__
-    if getattr(original, _MARK, False):
+    if getattr(original, WRAPPED_MARK, False):
         return
 
     @functools.wraps(original)
@@ -51,7 +51,7 @@ def register() -> None:
         original(self, vllm_config, *args, **kwargs)
         install(self, vllm_config)
 
-    setattr(__init__, _MARK, True)
+    setattr(__init__, WRAPPED_MARK, True)
     worker_base.WorkerBase.__init__ = __init__
 
 
@@ -69,7 +69,7 @@ def _hide_key_from_vllm_ascend() -> None:
             log.warning("ftkit: cannot prepare vllm-ascend's config validation: %s", exc)
             return
     original = getattr(module, "init_ascend_config", None)
-    if original is None or getattr(original, _MARK, False):
+    if original is None or getattr(original, WRAPPED_MARK, False):
         return
 
     @functools.wraps(original)
@@ -83,7 +83,7 @@ def _hide_key_from_vllm_ascend() -> None:
         finally:
             extra[CONFIG_KEY] = ours
 
-    setattr(init_ascend_config, _MARK, True)
+    setattr(init_ascend_config, WRAPPED_MARK, True)
     for loaded in list(sys.modules.values()):
         # The module's own namespace only: a module ``__getattr__`` must not run here.
         namespace = getattr(loaded, "__dict__", None)
@@ -104,7 +104,7 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     for name in ("execute_model", "sample_tokens"):
         inner = getattr(worker, name)
         wrapped = functools.partial(getattr(ftkit_worker, name), inner)
-        setattr(wrapped, _MARK, True)
+        setattr(wrapped, WRAPPED_MARK, True)
         setattr(worker, name, wrapped)
     # Reached by name through collective_rpc (a callable would need insecure pickling), with
     # one argument: the plan as JSON (``FaultPlan.to_json``).

@@ -6,15 +6,19 @@
 state and to the block table, and registers new requests. Re-running a failed step without
 undoing that corrupts tokens silently, later, whenever the step allocated blocks.
 
-The record taken before a step is small and costs O(1) Python work on a decode step that
-allocates no block: which requests are new, and for each request the step gives new KV blocks
-(``new_block_ids`` not ``None``, not resumed), how many block ids each KV group held. Those are
-the only lists ``_update_states`` appends to on the last pipeline stage, which is every rank
-ftkit supports (``check_supported`` refuses pipeline parallelism): it appends output tokens
-only on earlier stages, and only ``sample_tokens`` appends them otherwise (a test pins this).
-Rollback then
+No record is taken before ``execute_model``: its scheduler output says everything
+``_update_states`` changes: the requests it introduces (``scheduled_new_reqs``) and, for each
+request it gives new KV blocks (``new_block_ids`` not ``None``, not resumed), the block ids it
+appends. Those are the only lists ``_update_states`` appends to on the last pipeline stage,
+which is every rank ftkit supports (``check_supported`` refuses pipeline parallelism): it
+appends output tokens only on earlier stages, and only ``sample_tokens`` appends them otherwise
+(a test pins this). The fault-free step therefore pays nothing here. Rollback, from the failed
+step's scheduler output,
 
-* truncates those lists *in place* (vLLM shares them between views: identity must survive),
+
+* takes the step's block ids off the end of those lists *in place* (vLLM shares them between
+  views: identity must survive), where the attempt appended them: blocks given to a request
+  are new to it, so its list ends with them exactly when they were appended,
 * forgets requests the step introduced,
 * empties the persistent batch (``reset_batch``), so that the re-run's ``_update_states``
   re-adds every request from the restored request states, the same path vLLM takes for a
@@ -25,12 +29,14 @@ Rollback then
 
 For sampling, the record holds the step's ``execute_model_state`` (``sample_tokens`` clears it
 before it samples), the state of every generator the batch samples with (seeded requests) and
-of the global generator, and each row's token count (a copy of the rows' request ids and of
-the ``num_tokens_no_spec`` array, ``max_num_seqs`` ints), so that a re-sample draws the same
-tokens. Each request's output-token count is derived from it at rollback, by vLLM's invariant
-``num_tokens_no_spec = prompt tokens + output tokens`` of every row before sampling; rollback
-refuses loudly a count the invariant cannot have produced, or rows that moved (a test pins the
-invariant on real steps).
+of the global generator, the batch's row map and the step's scheduler output (references, no
+copies: on a greedy batch the record costs no per-row work), so that a re-sample draws the same
+tokens. Each request's output-token count before sampling is derived from the scheduler output
+at rollback (``output_token_indices``: the tokens computed before the step plus those it
+schedules, less the prompt), and its row's ``num_tokens_no_spec`` restored to prompt + output
+tokens. vLLM keeps its rows in place while it samples and keeps ``num_tokens_no_spec = prompt
++ output tokens`` before it samples; a test pins both on real steps, and rollback refuses
+loudly a row map that was replaced or a count the step cannot have produced.
 When any request samples randomly, the logits are copied too: the sampler divides them by the
 temperature and masks them for top-k/top-p *in place*, so a re-sample from the same tensor would
 draw from a different distribution. Greedy batches need no copy (argmax is unaffected).
@@ -43,10 +49,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress
 from typing import Any
 
-import numpy as np
 import torch
 
 from ftkit.errors import FtkitError
@@ -55,25 +59,13 @@ from ftkit.vllm.resume import fast_forward
 
 
 @dataclass(slots=True)
-class ExecuteRecord:
-    #: Requests the step introduces (not known to the runner before it).
-    new_req_ids: Sequence[str] = ()
-    #: (req_id, len of each KV group's block id list) of every request the step appends
-    #: blocks to; empty on most decode steps.
-    grown: Sequence[tuple[str, tuple[int, ...]]] = ()
-
-
-#: The record of a step that introduces no request and appends no block (most decode steps).
-_NOTHING_TO_UNDO = ExecuteRecord()
-
-
-@dataclass(slots=True)
 class SampleRecord:
     execute_model_state: Any
-    #: The batch's rows: request id -> row (a copy of ``req_id_to_index``).
+    #: The batch's rows: request id -> row (``req_id_to_index`` itself; sampling does not
+    #: change it).
     rows: dict[str, int]
-    #: ``num_tokens_no_spec`` of every row (the whole array's bytes: ``max_num_seqs`` ints).
-    num_tokens: bytes
+    #: The scheduler output of the step being sampled (what each row's count derives from).
+    scheduled: Any
     #: What random sampling needs to draw the same tokens again (``None`` when greedy).
     random: _RandomState | None = None
 
@@ -142,46 +134,39 @@ class V1RunnerState:
         self.kv = KvRecompute(runner)
         self.on_kv_recomputed = on_kv_recomputed
         self._fast_forwarded: dict[str, Any] = {}
-        #: A memoryview of the batch's ``num_tokens_no_spec`` array (``.obj``): it copies the
-        #: array with less work than numpy's own methods (this is on the step's path).
-        self._counts: memoryview | None = None
+        #: Whether lost KV waits to be recomputed (``StepState.repair_pending``).
+        self.repair_pending = False
 
     # --- execute_model ----------------------------------------------------------------------
 
-    def begin_execute(self, scheduler_output: Any) -> ExecuteRecord:
-        new_reqs = scheduler_output.scheduled_new_reqs
-        cached = scheduler_output.scheduled_cached_reqs
-        new_block_ids = cached.new_block_ids
-        # Most decode steps allocate no block: one C-level count says so without a loop.
-        if not new_reqs and new_block_ids.count(None) == len(new_block_ids):
-            return _NOTHING_TO_UNDO
-        requests = self.runner.requests
-        new = [r.req_id for r in new_reqs if r.req_id not in requests] if new_reqs else ()
-        grown = []
-        resumed = cached.resumed_req_ids
-        # Only the requests that get blocks (``compress`` skips the ``None`` entries in C).
-        for req_id in compress(cached.req_ids, new_block_ids):
-            # A resumed request's block ids are replaced wholesale (by the re-run too).
-            state = requests.get(req_id) if req_id not in resumed else None
-            if state is not None:
-                grown.append((req_id, tuple(map(len, state.block_ids))))
-        return ExecuteRecord(new, grown)
-
-    def rollback_execute(self, record: ExecuteRecord) -> None:
+    def rollback_execute(self, scheduler_output: Any) -> None:
+        """Undo what ``execute_model(scheduler_output)`` changed, whether or not the failed
+        attempt got as far as ``_update_states``: forget the requests it introduced, take the
+        KV block ids it appended off the end of each request's lists (in place), empty the
+        batch."""
         runner = self.runner
         runner.execute_model_state = None
-        for req_id in record.new_req_ids:
-            state = runner.requests.pop(req_id, None)
+        requests = runner.requests
+        for new in scheduler_output.scheduled_new_reqs:
+            req_id = new.req_id
+            state = requests.pop(req_id, None)
             runner.num_prompt_logprobs.pop(req_id, None)
             if state is not None and hasattr(runner, "_on_request_state_removed"):
                 runner._on_request_state_removed(req_id, state)
-        for req_id, block_lens in record.grown:
-            state = runner.requests.get(req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+            # A resumed request's block ids are replaced wholesale (by the re-run too).
+            state = requests.get(req_id) if new_block_ids is not None \
+                and req_id not in resumed else None
             if state is None:
                 continue
-            # Whether or not the failed attempt got as far as appending: back to the record.
-            for ids, n in zip(state.block_ids, block_lens):
-                del ids[n:]
+            for ids, added in zip(state.block_ids, new_block_ids):
+                # Blocks given to a request are new to it: its list ends with them exactly
+                # when the attempt appended them.
+                n = len(added)
+                if n and ids[-n:] == list(added):
+                    del ids[-n:]
         self.reset_batch()
 
     def reset_batch(self) -> None:
@@ -202,29 +187,32 @@ class V1RunnerState:
     def mark_kv_lost(self, blocks: Iterable[int] = (), *, all_blocks: bool = False) -> None:
         """Record KV blocks whose contents are gone (every block after a device reset)."""
         self.kv.mark_lost(blocks, all_blocks=all_blocks)
+        self.repair_pending = bool(self.kv.lost)
 
     def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None:
         """Before an attempt of ``execute_model``: recompute the lost KV the step reads."""
         if not self.kv.lost:
-            return  # the fault-free path: nothing was lost
-        report = self.kv.run(scheduler_output, call)
+            self.repair_pending = False
+            return
+        try:
+            report = self.kv.run(scheduler_output, call)
+        finally:
+            self.repair_pending = bool(self.kv.lost)
         if report is not None and self.on_kv_recomputed is not None:
             self.on_kv_recomputed(report)
 
     # --- sample_tokens ----------------------------------------------------------------------
 
-    def begin_sample(self) -> SampleRecord:
+    def begin_sample(self, scheduler_output: Any) -> SampleRecord:
         runner = self.runner
         batch = runner.input_batch
         if batch.generators:
             # A request resumed after an engine death continues its seeded stream.
             fast_forward(runner, self._fast_forwarded)
-        counts, view = batch.num_tokens_no_spec, self._counts
-        if view is None or view.obj is not counts:
-            view = self._counts = memoryview(counts)
         state = runner.execute_model_state
-        record = SampleRecord(state, batch.req_id_to_index.copy(), view.tobytes())
-        sampled_randomly = bool(record.rows) and not batch.all_greedy
+        record = SampleRecord(state, batch.req_id_to_index, scheduler_output)
+        # ``random_reqs``: the rows that sample randomly (``all_greedy`` is its emptiness).
+        sampled_randomly = bool(batch.random_reqs)
         # (vLLM gives only randomly sampled rows a generator; seeded rows have one each.)
         if sampled_randomly or batch.generators:
             logits = getattr(state, "logits", None) if sampled_randomly and state is not None \
@@ -249,26 +237,26 @@ class V1RunnerState:
             if random.global_rng is not None:
                 self.rng.set_rng_state(random.global_rng)
         runner.execute_model_state = state
-        if batch.req_id_to_index != record.rows:
+        if batch.req_id_to_index is not record.rows:
             raise FtkitError("ftkit: cannot restore the sampled tokens: the batch's rows "
                              "changed during sampling (vLLM no longer keeps them in place)")
-        counts = np.frombuffer(record.num_tokens, dtype=batch.num_tokens_no_spec.dtype)
+        # Output tokens of each request before this step sampled (a prompt chunk that does
+        # not reach the prompt's end samples nothing and is left out).
+        before = self.output_token_indices(record.scheduled)
         requests = runner.requests
         for req_id, index in record.rows.items():
-            num_tokens = int(counts[index])
+            num_output = before.get(req_id)
             state = requests.get(req_id)
-            if state is None:
+            if num_output is None or state is None:
                 continue
             output = state.output_token_ids
-            num_output = num_tokens - state.num_prompt_tokens
             if not 0 <= num_output <= len(output):
                 raise FtkitError(
-                    f"ftkit: cannot restore request {req_id}: its row held {num_tokens} "
-                    f"tokens before sampling, but it has {state.num_prompt_tokens} prompt and "
-                    f"{len(output)} output tokens now; vLLM no longer keeps num_tokens_no_spec "
-                    f"= prompt + output tokens, which this rollback relies on")
+                    f"ftkit: cannot restore request {req_id}: its step started from "
+                    f"{num_output} output tokens, but it has {len(output)} now; sampling no "
+                    f"longer appends to the request's output tokens as this rollback expects")
             del output[num_output:]
-            batch.num_tokens_no_spec[index] = num_tokens
+            batch.num_tokens_no_spec[index] = state.num_prompt_tokens + num_output
 
     # --- what a step computes ---------------------------------------------------------------
 

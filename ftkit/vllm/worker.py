@@ -8,6 +8,7 @@ lost KV), and the records each rank writes to its event log.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -30,6 +31,7 @@ from ftkit.recovery import (
 )
 from ftkit.vllm.kv_recompute import RecomputeReport
 from ftkit.vllm.memory import RunnerMemory
+from ftkit.vllm.plugin import WRAPPED_MARK
 from ftkit.vllm.runner_state import V1RunnerState
 
 log = logging.getLogger("ftkit")
@@ -61,16 +63,16 @@ class FtkitWorker:
         #: The injector's module hooks (model forward, sampler), registered only while its
         #: plan has faults: a module with a hook takes PyTorch's slower call path.
         self._hook_handles: list[Any] = []
-        self._hooks_in = False
 
     # --- the wrapped step methods -------------------------------------------------------------
 
+    # The plugin binds the worker's ``execute_model`` / ``sample_tokens`` to these (with the
+    # worker's own method as ``inner``) until the recovery engine is built, at the first step;
+    # then straight to the step wrapper's, so that a fault-free step runs no ftkit frame but
+    # the wrapper's own.
+
     def execute_model(self, inner: Any, scheduler_output: Any) -> Any:
-        wrapper = self._ready()
-        injector = self.injector
-        if injector is not None and bool(injector.faults) is not self._hooks_in:
-            self._register_injection_hooks()
-        return wrapper.execute_model(inner, scheduler_output)
+        return self._ready().execute_model(inner, scheduler_output)
 
     def sample_tokens(self, inner: Any, grammar_output: Any) -> Any:
         return self._ready().sample_tokens(inner, grammar_output)
@@ -85,6 +87,9 @@ class FtkitWorker:
         self._ready()
         assert self.injector is not None and self.coordinator is not None
         self.injector.set_plan(plan)
+        self._register_injection_hooks()
+        assert self.step_wrapper is not None
+        self.step_wrapper.hooks_changed()
         max_reinference = plan.max_reinference
         if max_reinference is not None:
             if isinstance(max_reinference, bool) or not isinstance(max_reinference, int) \
@@ -97,7 +102,14 @@ class FtkitWorker:
 
     def _ready(self) -> StepWrapper:
         if self.step_wrapper is None:
-            self.step_wrapper = self._build()
+            self.step_wrapper = wrapper = self._build()
+            worker = self.worker
+            for name in ("execute_model", "sample_tokens"):
+                entry = getattr(worker, name)
+                if isinstance(entry, functools.partial) and entry.func == getattr(self, name):
+                    rebound = functools.partial(getattr(wrapper, name), *entry.args)
+                    setattr(rebound, WRAPPED_MARK, True)
+                    setattr(worker, name, rebound)
         return self.step_wrapper
 
     def _build(self) -> StepWrapper:
@@ -144,15 +156,13 @@ class FtkitWorker:
         return self.recovery.wrapper
 
     def _register_injection_hooks(self) -> None:
-        """Register the injector's hooks inside the step while its plan has faults (checked
-        before each step, so a plan set between steps takes effect at the next one); remove
-        them when it has none."""
+        """Register the injector's hooks inside the step while its plan has faults (set with
+        the plan, between steps); remove them when it has none."""
         assert self.injector is not None
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
-        self._hooks_in = bool(self.injector.faults)
-        if self._hooks_in:
+        if self.injector.faults:
             runner = self.worker.model_runner
             self._hook_handles = [
                 runner.sampler.register_forward_hook(self.injector.sample_hook),

@@ -209,16 +209,25 @@ class RecordingState:
         self.rollbacks: list[list[Any]] = []
         #: Steps before which the rank emptied its batch (its first execute after a round).
         self.resets: list[int] = []
+        self._reset_pending = False
 
-    def begin_execute(self, scheduler_output: Any) -> Any:
-        self.step = scheduler_output
-        return self.acc.clone()
+    def execute_starts(self, step: int) -> None:
+        """Called by the step itself (each attempt): the state before its first attempt is
+        what a rollback of it restores (the step's input alone cannot say)."""
+        if self.step != step:
+            self.step = step
+            self._before_step = self.acc.clone()
+        if self._reset_pending:  # emptied before this attempt of the step
+            self.resets.append(step)
+            self._reset_pending = False
 
-    def rollback_execute(self, record: Any) -> None:
+    def rollback_execute(self, scheduler_output: Any) -> None:
+        assert scheduler_output == self.step
         self.rollbacks.append(["execute", self.step])
-        self.acc.copy_(record)
+        self.acc.copy_(self._before_step)
 
-    def begin_sample(self) -> Any:
+    def begin_sample(self, scheduler_output: Any) -> Any:
+        assert scheduler_output == self.step
         return self.acc.clone()
 
     def rollback_sample(self, record: Any) -> None:
@@ -226,10 +235,12 @@ class RecordingState:
         self.acc.copy_(record)
 
     def reset_batch(self) -> None:
-        self.resets.append(self.step)
+        self._reset_pending = True
+
+    repair_pending = False  # it loses no device state
 
     def before_attempt(self, scheduler_output: Any, call: Any) -> None:
-        pass
+        raise AssertionError("before_attempt runs only while repair_pending")
 
 
 class DyingChannel:
@@ -329,6 +340,8 @@ class Rig:
 
     # --- the StepHook protocol ------------------------------------------------------------
 
+    attempts_wanted = True  # it records the attempt a fault of its own fires in
+
     def on_attempt(self, rpc_kind: Any, step: int, attempt: int, payload: Any) -> None:
         self.current = (rpc_kind.value, step, attempt)
 
@@ -424,6 +437,7 @@ class Rig:
             raise
 
     def execute(self, step: int) -> Any:
+        self.state.execute_starts(step)
         self.state.acc += 1.0
         t = _base(step, self.rank)
         for i in range(len(COLLECTIVES)):

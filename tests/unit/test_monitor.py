@@ -103,3 +103,97 @@ def test_the_round_outcome_carries_the_rebuild_parts_the_rebuild_timed():
     assert (outcome.times.device_s, outcome.times.comms_s, outcome.times.repair_s) == \
         (0.25, None, 0.5)
     assert outcome.status.kind == "oom" and outcome.duration_s >= 0
+
+
+# --- the lock-free gate: each interleaving of a step's edges with a round's announcement -----
+
+def announce(channel: MemoryChannel, epoch: int) -> threading.Thread:
+    """A peer fails RPC 2 (sampling: rank-local, so this rank may have completed it) and
+    announces round ``epoch``; it returns once the round is done."""
+    peer = threading.Thread(target=peer_reports, args=(channel, epoch, RankStatus(
+        1, RankState.FAILED, 2, RpcKind.SAMPLE, 1, failures=1, kind="oom")))
+    peer.start()
+    return peer
+
+
+def eventually(condition, timeout_s: float = 10) -> bool:
+    deadline = threading.Event()
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return True
+        deadline.wait(0.01)
+    return condition()
+
+
+def my_status(channel: MemoryChannel, epoch: int) -> RankStatus:
+    assert channel.wait([f"round/{epoch}/status/0"], 10)
+    return RankStatus.from_json(channel.get(f"round/{epoch}/status/0"))
+
+
+def test_a_round_announced_between_steps_is_run_by_the_monitor_and_holds_the_gate():
+    channel = MemoryChannel()
+    entered = threading.Event()
+    release = threading.Event()
+    coordinator = Coordinator(0, 2, max_reinference=3, round_timeout_s=10,
+                              rebuild=lambda decision, times: release.wait(10))
+    monitor = RecoveryMonitor(coordinator, SideChannels(channel, lambda: channel),
+                              stop_communication=lambda: None, gate_timeout_s=5)
+    monitor.enter_step(1, RpcKind.EXECUTE, 1)
+    assert monitor.exit_step_ok() is None
+    monitor.start()
+    try:
+        peer = announce(channel, 0)
+        assert my_status(channel, 0).state is RankState.IDLE  # the monitor reported
+        step = threading.Thread(target=lambda: (monitor.enter_step(2, RpcKind.SAMPLE, 1),
+                                                entered.set()))
+        step.start()
+        assert not entered.wait(0.3), "a step passed the gate during the monitor's round"
+        release.set()
+        assert entered.wait(10) and monitor.epoch == 1
+        peer.join(10)
+    finally:
+        release.set()
+        monitor.shutdown()
+
+
+def test_a_round_announced_during_a_step_is_joined_when_the_step_ends():
+    channel = MemoryChannel()
+    stops = []
+    monitor = make_monitor(channel)
+    monitor._stop_communication = lambda: stops.append(True)
+    monitor.start()
+    try:
+        monitor.enter_step(2, RpcKind.SAMPLE, 1)
+        peer = announce(channel, 0)
+        assert eventually(lambda: monitor._pending is not None)
+        assert stops == [True]  # the step was told to stop
+        decision = monitor.exit_step_ok()  # a sample RPC has no collective: it ends well
+        assert decision is not None and decision.recompute
+        assert my_status(channel, 0).state is RankState.COMPLETED
+        peer.join(10)
+    finally:
+        monitor.shutdown()
+
+
+def test_a_step_that_ends_without_seeing_the_announcement_leaves_the_round_to_the_monitor():
+    """The step's end read "no round announced" just before the monitor announced one: the
+    monitor looks again after announcing, sees the step over, and runs the round itself
+    (without this, an engine with no further step would leave its peers waiting)."""
+    channel = MemoryChannel()
+    monitor = make_monitor(channel)
+
+    def step_ends_unseen() -> None:  # the main thread's exit_step_ok, its reads done earlier
+        monitor._completed = monitor._rpc
+        monitor._in_step = False
+
+    monitor._stop_communication = step_ends_unseen
+    monitor.enter_step(2, RpcKind.EXECUTE, 1)
+    monitor.start()
+    try:
+        peer = announce(channel, 0)
+        status = my_status(channel, 0)
+        assert status.state is RankState.IDLE and status.next_rpc == 3
+        peer.join(10)
+        assert eventually(lambda: monitor.epoch == 1) and monitor._pending is None
+    finally:
+        monitor.shutdown()

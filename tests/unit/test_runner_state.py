@@ -24,7 +24,7 @@ class Batch:
         self.num_tokens_no_spec = np.zeros(8, dtype=np.int32)
         self.num_tokens_no_spec[:len(num_tokens)] = num_tokens
         self.generators: dict[int, torch.Generator] = {}
-        self.all_greedy = True
+        self.random_reqs: set[str] = set()
 
     @property
     def num_reqs(self) -> int:
@@ -45,12 +45,27 @@ def runner(requests: dict[str, Any], batch: Batch) -> SimpleNamespace:
 
 
 def scheduled(new: list[str] = (), cached: list[str] = (), new_blocks: list[Any] = (),
-              resumed: set[str] = frozenset()) -> SimpleNamespace:
+              resumed: set[str] = frozenset(), computed: list[int] = (),
+              tokens: dict[str, int] | None = None) -> SimpleNamespace:
+    """A scheduler output: ``computed`` tokens of each cached request before the step,
+    ``tokens`` scheduled per request (one each by default)."""
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, prompt_token_ids=[], num_computed_tokens=0)
+                            for r in new],
         scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
                                               new_block_ids=list(new_blocks),
-                                              resumed_req_ids=set(resumed)))
+                                              resumed_req_ids=set(resumed),
+                                              num_computed_tokens=list(computed)),
+        num_scheduled_tokens=tokens if tokens is not None else dict.fromkeys(
+            [*new, *cached], 1))
+
+
+def decode_step(r: SimpleNamespace) -> SimpleNamespace:
+    """The scheduler output of a decode step of every request (one token each)."""
+    names = list(r.requests)
+    return scheduled(cached=names, new_blocks=[None] * len(names),
+                     computed=[s.num_prompt_tokens + len(s.output_token_ids) - 1
+                               for s in r.requests.values()])
 
 
 def make(**requests: Any) -> tuple[V1RunnerState, SimpleNamespace]:
@@ -62,41 +77,43 @@ def make(**requests: Any) -> tuple[V1RunnerState, SimpleNamespace]:
     return state, r
 
 
-def test_a_decode_step_without_new_blocks_records_nothing_per_request():
-    state, _ = make(a=request(3, [7], [0]), b=request(4, [], [1]))
-    record = state.begin_execute(scheduled(cached=["a", "b"], new_blocks=[None, None]))
-    assert not record.new_req_ids and not record.grown
-    assert state.begin_execute(scheduled(cached=["a", "b"], new_blocks=[None, None])) is record
-
-
-def test_rollback_execute_truncates_appended_blocks_in_place_and_forgets_new_requests():
+def test_rollback_execute_takes_appended_blocks_off_in_place_and_forgets_new_requests():
     a, b, c = request(3, [7], [0]), request(4, [], [1, 2]), request(2, [5], [3])
     state, r = make(a=a, b=b, c=c)
     lists = a.block_ids[0], b.block_ids[0]
     so = scheduled(new=["n"], cached=["a", "b", "c"], new_blocks=[([9],), None, ([8],)],
                    resumed={"c"})
-    record = state.begin_execute(so)
-    assert record.new_req_ids == ["n"] and record.grown == [("a", (1,))]
     # What _update_states does: register the new request, append blocks (not to "c", which
     # is resumed: its block ids are replaced wholesale).
     r.requests["n"] = request(2, [], [4])
+    r.num_prompt_logprobs["n"] = 1
     a.block_ids[0].extend([9])
     c.block_ids = ([8],)
-    state.rollback_execute(record)
-    assert "n" not in r.requests
-    assert a.block_ids[0] == [0] and b.block_ids[0] == [1, 2]
+    state.rollback_execute(so)
+    assert "n" not in r.requests and "n" not in r.num_prompt_logprobs
+    assert a.block_ids[0] == [0] and b.block_ids[0] == [1, 2] and c.block_ids == ([8],)
     assert (a.block_ids[0], b.block_ids[0]) == lists and a.block_ids[0] is lists[0]
-    # A failure before _update_states ran: the rollback leaves the lists as they were.
-    state.rollback_execute(record)
-    assert a.block_ids[0] == [0]
+    # A failure before _update_states ran (or a second rollback): the lists stay as they are.
+    state.rollback_execute(so)
+    assert a.block_ids[0] == [0] and b.block_ids[0] == [1, 2]
 
 
-def test_rollback_sample_derives_each_rows_output_count_from_its_token_count():
+def test_rollback_execute_takes_off_only_what_each_kv_group_got():
+    # Two KV groups; the attempt failed after appending to the first group only.
+    a = SimpleNamespace(num_prompt_tokens=3, output_token_ids=[7], block_ids=([0, 1], [5]))
+    state, r = make(a=a)
+    so = scheduled(cached=["a"], new_blocks=[([2, 3], [6])])
+    a.block_ids[0].extend([2, 3])
+    state.rollback_execute(so)
+    assert a.block_ids == ([0, 1], [5])
+
+
+def test_rollback_sample_derives_each_rows_output_count_from_the_scheduler_output():
     a, b = request(3, [7, 8], [0]), request(4, [], [1])
     state, r = make(a=a, b=b)
-    record = state.begin_sample()
-    assert record.rows == {"a": 0, "b": 1}
-    assert np.frombuffer(record.num_tokens, dtype=np.int32)[:2].tolist() == [5, 4]
+    so = decode_step(r)
+    record = state.begin_sample(so)
+    assert record.rows is r.input_batch.req_id_to_index and record.scheduled is so
     # What sample_tokens does: one token per row, in the request state and the row's count.
     a.output_token_ids.append(11)
     b.output_token_ids.append(12)
@@ -104,24 +121,37 @@ def test_rollback_sample_derives_each_rows_output_count_from_its_token_count():
     state.rollback_sample(record)
     assert a.output_token_ids == [7, 8] and b.output_token_ids == []
     assert r.input_batch.num_tokens_no_spec[:2].tolist() == [5, 4]
-    # The record is a copy: a second rollback after a second failure restores the same.
+    # The record stays valid: a second rollback after a second failure restores the same.
     a.output_token_ids.append(13)
     state.rollback_sample(record)
     assert a.output_token_ids == [7, 8]
 
 
-def test_rollback_sample_refuses_a_count_the_invariant_cannot_have_produced():
+def test_rollback_sample_leaves_a_prompt_chunk_that_samples_nothing_alone():
+    a, b = request(10, [], [0]), request(3, [7], [1])
+    state, r = make(a=a, b=b)
+    # "a": 4 of its 10 prompt tokens computed, 4 more scheduled: no output token this step.
+    record = state.begin_sample(scheduled(cached=["a", "b"], new_blocks=[None, None],
+                                          computed=[4, 3], tokens={"a": 4, "b": 1}))
+    b.output_token_ids.append(12)
+    r.input_batch.num_tokens_no_spec[1] += 1
+    state.rollback_sample(record)
+    assert a.output_token_ids == [] and r.input_batch.num_tokens_no_spec[0] == 10
+    assert b.output_token_ids == [7] and r.input_batch.num_tokens_no_spec[1] == 4
+
+
+def test_rollback_sample_refuses_a_count_the_step_cannot_have_produced():
     a = request(3, [7], [0])
     state, r = make(a=a)
-    r.input_batch.num_tokens_no_spec[0] = 9  # not prompt + output tokens
-    record = state.begin_sample()
-    with pytest.raises(FtkitError, match="num_tokens_no_spec"):
+    # The scheduler says the step starts from 5 output tokens; the request has 1.
+    record = state.begin_sample(scheduled(cached=["a"], new_blocks=[None], computed=[7]))
+    with pytest.raises(FtkitError, match="output tokens"):
         state.rollback_sample(record)
 
 
 def test_rollback_sample_refuses_rows_that_moved():
     state, r = make(a=request(3, [7], [0]), b=request(4, [], [1]))
-    record = state.begin_sample()
+    record = state.begin_sample(decode_step(r))
     r.input_batch.req_id_to_index = {"a": 1, "b": 0}
     with pytest.raises(FtkitError, match="rows"):
         state.rollback_sample(record)
@@ -130,13 +160,13 @@ def test_rollback_sample_refuses_rows_that_moved():
 def test_a_random_batch_keeps_pristine_logits_and_every_generator():
     state, r = make(a=request(3, [7], [0]))
     batch = r.input_batch
-    batch.all_greedy = False
+    batch.random_reqs = {"a"}
     gen = torch.Generator().manual_seed(5)
     batch.generators = {0: gen}
     logits = torch.arange(4.0)
     r.execute_model_state = SimpleNamespace(logits=logits,
                                             _replace=lambda **kw: SimpleNamespace(**kw))
-    record = state.begin_sample()
+    record = state.begin_sample(decode_step(r))
     drawn = torch.rand(3, generator=gen)
     logits.mul_(0)  # the sampler works on the logits in place
     state.rollback_sample(record)

@@ -34,14 +34,13 @@ class Gate:
 class State:
     def __init__(self) -> None:
         self.rollbacks = 0
-
-    def begin_execute(self, scheduler_output: Any) -> Any:
-        return None
+        self.repair_pending = False
+        self.repairs: list[Any] = []
 
     def rollback_execute(self, record: Any) -> None:
         self.rollbacks += 1
 
-    def begin_sample(self) -> Any:
+    def begin_sample(self, scheduler_output: Any) -> Any:
         return None
 
     def rollback_sample(self, record: Any) -> None:
@@ -51,7 +50,8 @@ class State:
         pass
 
     def before_attempt(self, scheduler_output: Any, call: Any) -> None:
-        pass
+        self.repairs.append(scheduler_output)
+        self.repair_pending = False
 
 
 def wrapper(gate: Gate, state: State | None = None) -> StepWrapper:
@@ -108,3 +108,60 @@ def test_a_recompute_rolls_back_and_reruns_the_step():
     assert calls == ["batch", "batch"] and state.rollbacks == 1
     (status,) = gate.reports
     assert status.kind == "link_break" and status.failures == 1
+
+
+class Hook:
+    def __init__(self, wanted: bool) -> None:
+        self.attempts_wanted = wanted
+        self.attempts: list[tuple[str, int, int]] = []
+        self.recovered: list[tuple[str, int, int]] = []
+
+    def on_attempt(self, rpc_kind: Any, step: int, attempt: int, payload: Any) -> None:
+        self.attempts.append((rpc_kind.value, step, attempt))
+
+    def on_recovered(self, rpc_kind: Any, step: int, failures: int, recovery_s: float,
+                     **_: float) -> None:
+        self.recovered.append((rpc_kind.value, step, failures))
+
+
+def test_hooks_see_attempts_only_while_they_want_them():
+    idle, busy = Hook(False), Hook(True)
+    step = StepWrapper(rank=0, monitor=Gate(), state=State(),  # type: ignore[arg-type]
+                       hooks=[idle, busy], is_stop_error=lambda exc: False)
+    step.execute_model(lambda batch: "out", "batch")
+    step.sample_tokens(lambda grammar: "tokens", None)
+    assert idle.attempts == [] and busy.attempts == [("execute", 1, 0), ("sample", 1, 0)]
+    idle.attempts_wanted, busy.attempts_wanted = True, False
+    step.execute_model(lambda batch: "out", "batch")  # not re-read yet
+    assert idle.attempts == []
+    step.hooks_changed()
+    step.execute_model(lambda batch: "out", "batch")
+    assert idle.attempts == [("execute", 3, 0)] and len(busy.attempts) == 3
+
+
+def test_every_hook_hears_of_a_recovery_and_rerun_attempts_are_counted():
+    idle, busy = Hook(False), Hook(True)
+    calls = []
+
+    def flaky(batch: Any) -> Any:
+        calls.append(batch)
+        if len(calls) < 3:
+            raise LinkError("injected link break")
+        return "tokens"
+
+    rerun = Decision(Action.RECOMPUTE, Cause.RERUN, "rank 0 failed")
+    step = StepWrapper(rank=0, monitor=Gate(rerun, rerun), state=State(),  # type: ignore[arg-type]
+                       hooks=[idle, busy], is_stop_error=lambda exc: False)
+    assert step.sample_tokens(flaky, None) == "tokens"
+    assert busy.attempts == [("sample", 0, 0), ("sample", 0, 1), ("sample", 0, 2)]
+    assert idle.recovered == busy.recovered == [("sample", 0, 2)]
+
+
+def test_lost_state_is_repaired_before_the_attempt_only_while_a_repair_is_pending():
+    state = State()
+    step = wrapper(Gate(), state)
+    step.execute_model(lambda batch: "out", "first")
+    state.repair_pending = True
+    step.execute_model(lambda batch: "out", "second")
+    step.execute_model(lambda batch: "out", "third")
+    assert state.repairs == ["second"]

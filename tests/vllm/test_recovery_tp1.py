@@ -7,6 +7,7 @@ Each test compares every request's tokens with the fault-free run of a plain vLL
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -121,17 +122,21 @@ def test_no_fault_run_with_recovery_on_is_identical(tp1_engine, baseline):
 
 
 def test_the_rollback_record_rests_on_vllm_invariants(tp1_engine, baseline):
-    """``V1RunnerState`` records no output-token counts before ``execute_model`` and derives
-    them at a sampling rollback from ``num_tokens_no_spec``. Both rest on vLLM's behaviour,
-    checked here on every real step of staggered greedy, seeded and block-crossing runs:
-    ``execute_model`` never changes a request's output tokens (on the last pipeline stage),
-    and before sampling every row holds ``num_tokens_no_spec = prompt + output tokens``."""
+    """``V1RunnerState`` records no output-token counts: it derives them at rollback from the
+    scheduler output, and it keeps a reference to the batch's row map, not a copy. These rest
+    on vLLM's behaviour, checked here on every real step of staggered greedy, seeded and
+    block-crossing runs: ``execute_model`` never changes a request's output tokens (on the
+    last pipeline stage); before sampling every row holds ``num_tokens_no_spec = prompt +
+    output tokens`` and the output count ``output_token_indices`` derives; sampling leaves
+    the row map as it was."""
     core = tp1_engine.llm.llm_engine.engine_core.engine_core
-    wrapper = core.model_executor.driver_worker.worker._ftkit.step_wrapper
+    worker = core.model_executor.driver_worker.worker
+    wrapper = worker._ftkit.step_wrapper
     state = wrapper.state
     runner = state.runner
-    execute_model, begin_sample = wrapper.execute_model, state.begin_sample
-    checked = {"execute": 0, "rows": 0}
+    entries = {name: getattr(worker, name) for name in ("execute_model", "sample_tokens")}
+    checked = {"execute": 0, "rows": 0, "sample": 0}
+    scheduled = []
 
     def checked_execute(call, scheduler_output):
         def run(arg):
@@ -142,18 +147,30 @@ def test_the_rollback_record_rests_on_vllm_invariants(tp1_engine, baseline):
             assert after == {r: before[r] for r in after}
             checked["execute"] += 1
             return out
-        return execute_model(run, scheduler_output)
+        scheduled[:] = [scheduler_output]
+        return wrapper.execute_model(run, scheduler_output)
 
-    def checked_sample():
+    def checked_sample(call, grammar_output):
         batch = runner.input_batch
+        derived = state.output_token_indices(scheduled[0])
         for index, req_id in enumerate(batch.req_ids):
             s = runner.requests[req_id]
             assert batch.num_tokens_no_spec[index] == \
                 s.num_prompt_tokens + len(s.output_token_ids), req_id
+            if req_id in derived:
+                assert derived[req_id] == len(s.output_token_ids), req_id
             checked["rows"] += 1
-        return begin_sample()
+        rows, row_map = dict(batch.req_id_to_index), batch.req_id_to_index
 
-    wrapper.execute_model, state.begin_sample = checked_execute, checked_sample
+        def run(arg):
+            out = call(arg)
+            assert batch.req_id_to_index is row_map and row_map == rows
+            checked["sample"] += 1
+            return out
+        return wrapper.sample_tokens(run, grammar_output)
+
+    worker.execute_model = functools.partial(checked_execute, entries["execute_model"].args[0])
+    worker.sample_tokens = functools.partial(checked_sample, entries["sample_tokens"].args[0])
     try:
         for sampling in (LONG, SEEDED):
             run = run_with_faults(tp1_engine, sampling, [], submit_after_steps=[0, 0, 3, 9])
@@ -165,5 +182,6 @@ def test_the_rollback_record_rests_on_vllm_invariants(tp1_engine, baseline):
         assert run.error is None and len(run.fired) == 2
         assert run.tokens == baseline.tokens["long"]
     finally:
-        del wrapper.execute_model, state.begin_sample
-    assert checked["execute"] > 100 and checked["rows"] > 300
+        for name, entry in entries.items():
+            setattr(worker, name, entry)
+    assert checked["execute"] > 100 and checked["rows"] > 300 and checked["sample"] > 100
