@@ -47,7 +47,7 @@ parallelism; ``check_supported`` says so at start rather than corrupting a run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
