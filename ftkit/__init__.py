@@ -32,7 +32,8 @@ _EXPORTS: dict[str, str] = {
     "ScenarioErrors": "ftkit.scenario", "FORMAT_VERSION": "ftkit.scenario",
     "load_scenario": "ftkit.scenario", "load_scenarios": "ftkit.scenario",
     "load_scenario_text": "ftkit.scenario", "scenario_json_schema": "ftkit.scenario",
-    "random_prompts": "ftkit.scenario",
+    "random_prompts": "ftkit.scenario", "Overrides": "ftkit.scenario",
+    "override_lines": "ftkit.scenario",
     # fault kinds
     "FaultKind": "ftkit.faults", "KIND_SPECS": "ftkit.kinds", "kind_spec": "ftkit.kinds",
     # running scenarios
@@ -45,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "write_junit_report": "ftkit.report", "write_html_report": "ftkit.report",
     "read_json_report": "ftkit.report", "results_from_report": "ftkit.report",
     "skipped_from_report": "ftkit.report", "TABLE_COLUMNS": "ftkit.report",
+    "overrides_from_report": "ftkit.report",
     "table_cells": "ftkit.report", "verdict_label": "ftkit.report",
     # engines, recovery settings, fault plans and the ranks' event log
     "EngineSession": "ftkit.vllm.engine", "SamplingSpec": "ftkit.contracts.job",
@@ -89,14 +91,15 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     from ftkit.kinds import KIND_SPECS, kind_spec
     from ftkit.model import TINY, build_tiny_model, build_wide_model, resolve_model
     from ftkit.progress import EventSink, ProgressEvent
-    from ftkit.report import (TABLE_COLUMNS, SkippedScenario, read_json_report,
-                              results_from_report, skipped_from_report, table_cells,
-                              verdict_label, write_html_report, write_json_report,
-                              write_junit_report)
+    from ftkit.report import (TABLE_COLUMNS, SkippedScenario, overrides_from_report,
+                              read_json_report, results_from_report, skipped_from_report,
+                              table_cells, verdict_label, write_html_report,
+                              write_json_report, write_junit_report)
     from ftkit.results import ScenarioResult, Verdict
     from ftkit.runner import ScenarioRunner, run_scenario
-    from ftkit.scenario import (FORMAT_VERSION, EngineSpec, FaultSpec, Scenario,
+    from ftkit.scenario import (FORMAT_VERSION, EngineSpec, FaultSpec, Overrides, Scenario,
                                 ScenarioErrors, load_scenario, load_scenario_text,
-                                load_scenarios, random_prompts, scenario_json_schema)
+                                load_scenarios, override_lines, random_prompts,
+                                scenario_json_schema)
     from ftkit.verify import planned_faults
     from ftkit.vllm.engine import EngineSession

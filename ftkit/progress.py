@@ -12,8 +12,9 @@ class ProgressEvent:
 
     ``stage`` is one of: ``baseline`` (fault-free reference run starts or is taken from
     the cache), ``engine_start``, ``engine_ready``, ``tokens`` (generation progressed),
-    ``fault`` (an injected fault fired), ``recovery`` (a recovery round ended),
-    ``done`` (the scenario has a verdict).
+    ``fault`` (an injected fault fired), ``recovery`` (a recovery round ended with its
+    decision), ``recovered`` (a failed step ran again and succeeded), ``done`` (the scenario
+    has a verdict).
     """
 
     scenario: str

@@ -4,11 +4,16 @@ Everything here is a rich renderable or feeds one; nothing formats strings for `
 Progress goes to a stderr console, the verdict report to a stdout console, so that
 ``ftkit run ... > verdicts.txt`` keeps only the verdicts. Scenario names, messages and error
 texts are always rendered as plain ``Text``, never as markup: a ``[`` in a reason is shown as is.
+
+On a terminal the progress is live bars with the faults and recoveries printed above them; on
+anything else (a CI log, a pipe, a file) it is one plain line per phase, each with the seconds
+since the run began, and nothing that redraws.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -28,11 +33,15 @@ from ftkit import (TABLE_COLUMNS, ProgressEvent, ScenarioResult, SkippedScenario
                    table_cells, verdict_label)
 
 __all__ = [
+    "PHASE_LABELS",
     "SKIPPED_STYLE",
+    "TOKEN_LINE_INTERVAL_S",
     "VERDICT_STYLES",
+    "RunHeader",
     "RunProgress",
     "VerdictReport",
     "error_lines",
+    "overrides_text",
     "verdict_table",
     "verdict_text",
 ]
@@ -85,16 +94,39 @@ def verdict_table(results: Sequence[ScenarioResult]) -> Table:
     return table
 
 
-class VerdictReport:
-    """The final report: the verdict table, the reason of every non-pass, what was not run
-    (``skipped``), and a summary line."""
+def overrides_text(overrides: Sequence[str]) -> Text:
+    """``overrides: FIELD=VALUE, ...`` (the run's ``--set`` fields, as ``Overrides.lines()``)."""
+    return Text.assemble(("overrides", "bold"), ": ", ", ".join(overrides))
 
-    def __init__(self, results: Sequence[ScenarioResult],
-                 skipped: Sequence[SkippedScenario] = ()) -> None:
-        self.results = list(results)
-        self.skipped = list(skipped)
+
+class RunHeader:
+    """What a run is about to do: how many scenarios, and the fields it overrides in each."""
+
+    def __init__(self, scenarios: int, overrides: Sequence[str] = ()) -> None:
+        self.scenarios = scenarios
+        self.overrides = list(overrides)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text(f"ftkit run: {self.scenarios} scenario(s)")
+        if self.overrides:
+            yield overrides_text(self.overrides)
+
+
+class VerdictReport:
+    """The final report: the fields the run overrode (``overrides``, as ``FIELD=VALUE``), the
+    verdict table, the reason of every non-pass, what was not run (``skipped``), and a
+    summary line."""
+
+    def __init__(self, results: Sequence[ScenarioResult],
+                 skipped: Sequence[SkippedScenario] = (),
+                 overrides: Sequence[str] = ()) -> None:
+        self.results = list(results)
+        self.skipped = list(skipped)
+        self.overrides = list(overrides)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.overrides:
+            yield overrides_text(self.overrides)
         if self.results:
             yield verdict_table(self.results)
         for result in self.results:
@@ -123,20 +155,44 @@ class VerdictReport:
         return Text.assemble(*parts[:-1], f" ({total} scenario(s), {total_s:.1f} s)")
 
 
-# --- live progress --------------------------------------------------------------------------
+# --- progress -------------------------------------------------------------------------------
+
+#: How each progress stage is named in the plain lines of a CI log.
+PHASE_LABELS = {
+    "baseline": "baseline",
+    "engine_start": "engine starting",
+    "engine_ready": "engine ready",
+    "tokens": "generating",
+    "fault": "fault fired",
+    "recovery": "recovery round",
+    "recovered": "recovered",
+    "done": "done",
+}
+
+#: Least time between two "generating" lines of one scenario in a CI log.
+TOKEN_LINE_INTERVAL_S = 15.0
+
 
 class RunProgress:
-    """A live progress display for a series of scenarios, fed by ``ProgressEvent``.
+    """The progress of a series of scenarios, fed by ``ProgressEvent``.
 
     Use as a context manager; call ``start(name)`` before a scenario, pass the object itself
     as the runner's ``on_event`` sink, and ``finish(result)`` when the scenario has a verdict.
-    Faults and recoveries are printed as lines above the bars (so they stay in CI logs); with
-    ``verbose`` every event is. The bars are transient: only the lines remain afterwards.
+
+    On a terminal: live bars (transient: only the lines remain afterwards), with faults,
+    recoveries and each verdict printed as lines above them; ``verbose`` prints every event.
+    Elsewhere (``console.is_terminal`` false, as in a CI log): one plain line per phase
+    (scenario started, baseline, engine starting and ready, fault fired, recovery round,
+    recovered, verdict), each prefixed with the seconds since the run began; token progress
+    at most every ``TOKEN_LINE_INTERVAL_S`` per scenario (every event with ``verbose``).
     """
 
-    def __init__(self, console: Console, *, total: int, verbose: bool = False) -> None:
+    def __init__(self, console: Console, *, total: int, verbose: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.console = console
         self.verbose = verbose
+        self.plain = not console.is_terminal
+        self._clock = clock
         self._progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}", markup=False),
@@ -146,15 +202,18 @@ class RunProgress:
             TimeElapsedColumn(),
             console=console,
             transient=True,
-            # Bars only on a terminal; a CI log gets the event lines alone.
-            disable=not console.is_terminal,
+            disable=self.plain,
         )
         self._total = total
         self._overall: TaskID | None = None
         self._task: TaskID | None = None
         self._name = ""
+        self._started = 0
+        self._began = clock()
+        self._last_tokens_line = float("-inf")
 
     def __enter__(self) -> RunProgress:
+        self._began = self._clock()
         self._progress.start()
         self._overall = self._progress.add_task("scenarios", total=self._total, status="")
         return self
@@ -164,11 +223,18 @@ class RunProgress:
         self._progress.stop()
 
     def start(self, name: str) -> None:
-        """A scenario begins: show a bar for its tokens."""
+        """A scenario begins: show a bar for its tokens (a line in a CI log)."""
         self._name = name
+        self._started += 1
+        self._last_tokens_line = float("-inf")
         self._task = self._progress.add_task(name, total=None, status="loading")
+        if self.plain:
+            self._log("started", f"scenario {self._started} of {self._total}")
 
     def __call__(self, event: ProgressEvent) -> None:
+        if self.plain:
+            self._log_event(event)
+            return
         if self.verbose:
             self._line(event.stage, event.message or _token_count(event), "dim")
         if self._task is None:
@@ -189,8 +255,32 @@ class RunProgress:
             self._task = None
         if self._overall is not None:
             self._progress.advance(self._overall)
+        if self.plain:
+            reason = "" if Verdict(result.verdict) is Verdict.PASS else f": {result.reason}"
+            self.console.print(Text.assemble(
+                self._elapsed(), f" {result.name}: verdict ", verdict_text(result.verdict),
+                f" ({result.duration_s:.1f} s){reason}"), soft_wrap=True)
+            return
         self.console.print(Text.assemble(verdict_text(result.verdict), " ", result.name,
                                          f" ({result.duration_s:.1f} s)"))
+
+    def _log_event(self, event: ProgressEvent) -> None:
+        if event.stage == "done" and not self.verbose:
+            return  # ``finish`` prints the verdict
+        if event.stage == "tokens":
+            now = self._clock()
+            if not self.verbose and now - self._last_tokens_line < TOKEN_LINE_INTERVAL_S:
+                return
+            self._last_tokens_line = now
+        self._log(PHASE_LABELS.get(event.stage, event.stage),
+                  event.message or _token_count(event))
+
+    def _log(self, label: str, message: str) -> None:
+        self.console.print(Text.assemble(self._elapsed(), f" {self._name}: ", (label, "bold"),
+                                         f": {message}" if message else ""), soft_wrap=True)
+
+    def _elapsed(self) -> Text:
+        return Text(f"[{self._clock() - self._began:7.1f}s]", style="dim")
 
     def _line(self, label: str, message: str, style: str) -> None:
         self.console.print(Text.assemble(("  " + label, style), f" {self._name}: ", message),
@@ -207,9 +297,9 @@ _STATUS = {
 _LOGGED = {
     "fault": ("fault fired", "yellow"),
     "recovery": ("recovery", "cyan"),
+    "recovered": ("recovered", "green"),
 }
 
 
 def _token_count(event: ProgressEvent) -> str:
     return f"{event.tokens_done}/{event.tokens_total} tokens" if event.tokens_total else ""
-

@@ -28,9 +28,11 @@ from ftkit.kinds.base import (
 
 
 class HangParams(Params):
+    """The params of ``hang``."""
+
     op_timeout_s: float = Field(
-        2.0, gt=0, le=600, description="the operator timeout that ends the hung operator "
-                                       "(torch_npu's set_op_timeout_ms on Ascend)")
+        2.0, gt=0, le=600, description="the operator timeout that ends the hung operator, in "
+                                       "seconds (torch_npu's set_op_timeout_ms on Ascend)")
 
 
 class Hang(Injection):

@@ -40,6 +40,8 @@ log = logging.getLogger("ftkit")
 
 
 class ProcessKillParams(Params):
+    """The params of ``process_kill``."""
+
     target: Literal["rank", "engine"] = Field(
         "rank", description="rank: SIGKILL the worker process of the fault's rank; engine: "
                             "SIGKILL the engine core process")

@@ -42,12 +42,15 @@ if TYPE_CHECKING:
 
 
 class UceParams(Params):
+    """The params of ``uce``."""
+
     region: Literal["kv", "weights", "activation"] = Field(
-        "kv", description="what the error hits: KV cache blocks of the fault's request, a "
-                          "model parameter, or an activation buffer of the step")
+        "kv", description="what the error hits: `kv` (KV cache blocks of the fault's "
+                          "request), `weights` (a model parameter) or `activation` (an "
+                          "activation buffer of the step)")
     parameter: str | None = Field(
-        None, min_length=1, description="region weights: the parameter hit (default: the "
-                                        "model's final norm weight)")
+        None, min_length=1, description="for region `weights`: the name of the parameter hit "
+                                        "(default: the model's final norm weight)")
 
 
 # --- rules ----------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The JSON journal (``write_json_report`` / ``read_json_report``) is the format th
 reports and CI tooling read; ``environment_info`` describes where the results were obtained.
 ``write_junit_report`` writes JUnit XML for CI test views, ``write_html_report`` one
 self-contained HTML page with the verdict table and a fault timeline per scenario. Both take
-either the results of a run or a journal loaded with ``read_json_report``.
+either the results of a run or a journal loaded with ``read_json_report``. Every report shows
+the fields the run overrode in every scenario (``ftkit run --set``).
 """
 
 from ftkit.report.html import write_html_report
@@ -15,6 +16,7 @@ from ftkit.report.journal import (
     SkippedScenario,
     environment_info,
     ftkit_version,
+    overrides_from_report,
     read_json_report,
     report_contents,
     report_dict,
@@ -35,6 +37,7 @@ __all__ = [
     "SkippedScenario",
     "environment_info",
     "ftkit_version",
+    "overrides_from_report",
     "read_json_report",
     "report_contents",
     "report_dict",

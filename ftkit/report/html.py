@@ -11,9 +11,10 @@ reasons, errors) is escaped.
 from __future__ import annotations
 
 import os
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from html import escape
 from pathlib import Path
+from typing import Any
 
 from ftkit.report.journal import (
     ReportContents,
@@ -30,8 +31,9 @@ from ftkit.report.table import (
     tokens_around,
     verdict_label,
 )
-from ftkit.report.timeline import timeline_svg
+from ftkit.report.timeline import TimelineUnavailable, timeline_svg
 from ftkit.results import ScenarioResult, Verdict
+from ftkit.scenario.overrides import override_lines
 from ftkit.verify import describe_divergence
 
 __all__ = ["html_report", "write_html_report"]
@@ -59,19 +61,22 @@ figure { margin: 0.8em 0; } figure svg { max-width: 100%; height: auto; }
 
 
 def write_html_report(report: ReportSource, path: str | os.PathLike[str], *,
-                      skipped: Sequence[SkippedScenario] = ()) -> Path:
+                      skipped: Sequence[SkippedScenario] = (),
+                      overrides: Mapping[str, Any] | None = None) -> Path:
     """Write the HTML report for ``report`` (results, or a journal from ``read_json_report``).
 
-    ``skipped`` adds scenarios that were not run. The write is atomic; returns the path.
+    ``skipped`` adds scenarios that were not run; ``overrides`` are the run's ``{field:
+    value}`` (a journal brings its own). The write is atomic; returns the path.
     """
-    return atomic_write_text(path, html_report(report, skipped=skipped))
+    return atomic_write_text(path, html_report(report, skipped=skipped, overrides=overrides))
 
 
-def html_report(report: ReportSource, *, skipped: Sequence[SkippedScenario] = ()) -> str:
+def html_report(report: ReportSource, *, skipped: Sequence[SkippedScenario] = (),
+                overrides: Mapping[str, Any] | None = None) -> str:
     """The HTML page for ``report``, as text."""
-    contents = report_contents(report, skipped=skipped)
-    body = [f"<h1>{TITLE}</h1>", _provenance(contents), _summary(contents),
-            _verdict_table(contents.results)]
+    contents = report_contents(report, skipped=skipped, overrides=overrides)
+    body = [f"<h1>{TITLE}</h1>", _provenance(contents), _overrides(contents),
+            _summary(contents), _verdict_table(contents.results)]
     if contents.skipped:
         body += ["<h2>Not run</h2>", _list(f"{_e(s.name)} ({_e(s.file)}): {_e(s.reason)}"
                                            for s in contents.skipped)]
@@ -99,6 +104,14 @@ def _provenance(contents: ReportContents) -> str:
     parts = [f"created {contents.created_at}"] if contents.created_at else []
     parts += [f"{key} {env[key]}" for key in _PROVENANCE if env.get(key)]
     return f'<p class="meta">{_e(" · ".join(parts))}</p>'
+
+
+def _overrides(contents: ReportContents) -> str:
+    """The fields the run set in every scenario (``ftkit run --set``), if any."""
+    if not contents.overrides:
+        return ""
+    items = "".join(f"<code>{_e(line)}</code> " for line in override_lines(contents.overrides))
+    return f'<p class="overrides">Overrides for every scenario: {items.strip()}</p>'
 
 
 def _summary(contents: ReportContents) -> str:
@@ -144,9 +157,13 @@ def _scenario_section(position: int, result: ScenarioResult) -> str:
     ]
     if result.error:
         parts.append(f'<pre class="error">{_e(result.error)}</pre>')
-    svg = timeline_svg(result)
-    parts.append(f"<figure>{svg}</figure>" if svg is not None
-                 else "<p>No token times were recorded: no timeline.</p>")
+    try:
+        svg = timeline_svg(result)
+    except TimelineUnavailable as unavailable:
+        parts.append(f"<p>{_e(unavailable)}</p>")
+    else:
+        parts.append(f"<figure>{svg}</figure>" if svg is not None
+                     else "<p>No token times were recorded: no timeline.</p>")
     parts += [_faults_table(result), _recoveries_table(result), _divergence(result),
               "</section>"]
     return "\n".join(p for p in parts if p)

@@ -8,6 +8,7 @@ Layout (``version`` 1; a reader may rely on these keys, more may be added)::
       "created_at": "2025-01-01T12:00:00+00:00",
       "environment": {"ftkit": ..., "vllm": ..., "torch": ..., "python": ..., "platform": ...},
       "summary": {"total": 3, "pass": 2, "fail": 1, "not_applied": 0, "error": 0},
+      "overrides": {"engine.block_size": 128, "engine.dtype": "bfloat16"},
       "skipped": [{"name", "file", "reason"}],
       "scenarios": [
         {
@@ -30,8 +31,10 @@ Layout (``version`` 1; a reader may rely on these keys, more may be added)::
     }
 
 ``summary`` counts the scenarios that ran; ``skipped`` lists those that did not (``--fail-fast``
-stopped the run, or it was interrupted). Times (``actual_times``, ``at_s``) are seconds since the
-workload was submitted. ``results_from_report`` and ``skipped_from_report`` turn a loaded journal
+stopped the run, or it was interrupted). ``overrides`` holds the fields ``ftkit run --set`` (or
+``--set-file``) set in every scenario, in the order applied (``{}`` without any; journals that
+predate it lack the key); each scenario's ``engine`` and ``sampling`` show the values it ran
+with. Times (``actual_times``, ``at_s``) are seconds since the workload was submitted. ``results_from_report`` and ``skipped_from_report`` turn a loaded journal
 back into result objects, so every other report can be rendered again from a saved journal.
 
 ``environment_info`` reads installed versions from package metadata only: it never imports
@@ -74,6 +77,7 @@ __all__ = [
     "report_dict",
     "results_from_report",
     "scenario_dict",
+    "overrides_from_report",
     "skipped_from_report",
     "summarize",
     "write_json_report",
@@ -140,14 +144,17 @@ def scenario_dict(result: ScenarioResult) -> dict[str, Any]:
 
 def report_dict(results: Sequence[ScenarioResult], *,
                 skipped: Sequence[SkippedScenario] = (),
-                environment: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole journal as a JSON-ready dict (``environment_info()`` when none is given)."""
+                environment: dict[str, Any] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole journal as a JSON-ready dict (``environment_info()`` when none is given;
+    ``overrides``: the run's ``{field: value}``)."""
     return {
         "version": REPORT_VERSION,
         "ftkit": ftkit_version(),
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": environment_info() if environment is None else dict(environment),
         "summary": summarize(results),
+        "overrides": dict(overrides or {}),
         "skipped": [s.to_dict() for s in skipped],
         "scenarios": [scenario_dict(r) for r in results],
     }
@@ -155,13 +162,16 @@ def report_dict(results: Sequence[ScenarioResult], *,
 
 def write_json_report(results: Sequence[ScenarioResult], path: str | os.PathLike[str], *,
                       skipped: Sequence[SkippedScenario] = (),
-                      environment: dict[str, Any] | None = None) -> Path:
-    """Write the journal to ``path`` and return it.
+                      environment: dict[str, Any] | None = None,
+                      overrides: Mapping[str, Any] | None = None) -> Path:
+    """Write the journal to ``path`` and return it (``overrides``: the run's ``{field:
+    value}``, as ``Overrides.to_dict()`` gives them).
 
     Parent directories are created. The write is atomic: a reader never sees a partial file,
     and an existing report is replaced only once the new one is complete.
     """
-    data = report_dict(results, skipped=skipped, environment=environment)
+    data = report_dict(results, skipped=skipped, environment=environment,
+                       overrides=overrides)
     return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
@@ -240,6 +250,15 @@ def skipped_from_report(data: Mapping[str, Any]) -> list[SkippedScenario]:
         raise FtkitError(f"the report's skipped list is malformed: {exc}") from exc
 
 
+def overrides_from_report(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``{field: value}`` a loaded journal's run set in every scenario (``{}`` in journals
+    without overrides or that predate them)."""
+    recorded = data.get("overrides") or {}
+    if not isinstance(recorded, Mapping):
+        raise FtkitError("the report's overrides are malformed: expected an object")
+    return dict(recorded)
+
+
 #: What the other report writers accept: results (as a run returns them) or a loaded journal.
 ReportSource = Mapping[str, Any] | Sequence[ScenarioResult]
 
@@ -252,24 +271,27 @@ class ReportContents:
     skipped: list[SkippedScenario] = field(default_factory=list)
     created_at: str = ""
     environment: dict[str, Any] = field(default_factory=dict)
+    #: The fields the run set in every scenario (``ftkit run --set``), ``{field: value}``.
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def report_contents(source: ReportSource, *,
-                    skipped: Sequence[SkippedScenario] = ()) -> ReportContents:
+def report_contents(source: ReportSource, *, skipped: Sequence[SkippedScenario] = (),
+                    overrides: Mapping[str, Any] | None = None) -> ReportContents:
     """Results, skipped scenarios and provenance from a loaded journal or a list of results.
 
-    With results, ``skipped`` is taken as given and the environment is this process's; a
-    journal brings its own (``skipped`` then adds to its list).
+    With results, ``skipped`` and ``overrides`` are taken as given and the environment is
+    this process's; a journal brings its own (``skipped`` then adds to its list).
     """
     if isinstance(source, Mapping):
         return ReportContents(results=results_from_report(source),
                               skipped=skipped_from_report(source) + list(skipped),
                               created_at=str(source.get("created_at", "")),
-                              environment=dict(source.get("environment") or {}))
+                              environment=dict(source.get("environment") or {}),
+                              overrides=overrides_from_report(source))
     return ReportContents(
         results=list(source), skipped=list(skipped),
         created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        environment=environment_info())
+        environment=environment_info(), overrides=dict(overrides or {}))
 
 
 def _scenario_from_dict(entry: Mapping[str, Any]) -> ScenarioResult:

@@ -4,7 +4,8 @@ Layout (the common JUnit schema that Jenkins, GitLab and GitHub reporters read):
 
     <testsuites name="ftkit" tests= failures= errors= skipped= time=>
       <testsuite name="ftkit" tests= failures= errors= skipped= time= timestamp=>
-        <properties>  environment: ftkit, vllm, torch, python, platform versions
+        <properties>  environment: ftkit, vllm, torch, python, platform versions;
+                      "override.<field>" for each field ftkit run --set overrode
         <testcase classname="ftkit.<file stem>" name="<scenario>" time="<duration_s>">
           <failure message="<reason>" type="fail">      verdict fail, first divergence in the text
           <error message="<reason>" type="not_applied"> verdict not_applied (never a pass)
@@ -20,8 +21,9 @@ from __future__ import annotations
 import os
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ftkit.report.journal import (
     ReportSource,
@@ -31,6 +33,7 @@ from ftkit.report.journal import (
 )
 from ftkit.report.table import describe_fault, tokens_around, verdict_label
 from ftkit.results import ScenarioResult, Verdict
+from ftkit.scenario.overrides import override_lines
 from ftkit.verify import describe_divergence
 
 __all__ = ["junit_xml", "write_junit_report"]
@@ -41,17 +44,20 @@ _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-
 
 
 def write_junit_report(report: ReportSource, path: str | os.PathLike[str], *,
-                       skipped: Sequence[SkippedScenario] = ()) -> Path:
+                       skipped: Sequence[SkippedScenario] = (),
+                       overrides: Mapping[str, Any] | None = None) -> Path:
     """Write JUnit XML for ``report`` (results, or a journal from ``read_json_report``).
 
-    ``skipped`` adds scenarios that were not run. The write is atomic; returns the path.
+    ``skipped`` adds scenarios that were not run; ``overrides`` are the run's ``{field:
+    value}`` (a journal brings its own). The write is atomic; returns the path.
     """
-    return atomic_write_text(path, junit_xml(report, skipped=skipped))
+    return atomic_write_text(path, junit_xml(report, skipped=skipped, overrides=overrides))
 
 
-def junit_xml(report: ReportSource, *, skipped: Sequence[SkippedScenario] = ()) -> str:
+def junit_xml(report: ReportSource, *, skipped: Sequence[SkippedScenario] = (),
+              overrides: Mapping[str, Any] | None = None) -> str:
     """The JUnit XML document for ``report``, as text."""
-    contents = report_contents(report, skipped=skipped)
+    contents = report_contents(report, skipped=skipped, overrides=overrides)
     cases = [_testcase(r) for r in contents.results]
     cases += [_skipped_case(s) for s in contents.skipped]
     counts = {
@@ -69,6 +75,10 @@ def junit_xml(report: ReportSource, *, skipped: Sequence[SkippedScenario] = ()) 
     for key, value in contents.environment.items():
         if value is not None:
             ET.SubElement(properties, "property", name=str(key), value=_clean(value))
+    for line in override_lines(contents.overrides):
+        field, _, value = line.partition("=")
+        ET.SubElement(properties, "property", name=_clean(f"override.{field}"),
+                      value=_clean(value))
     suite.extend(cases)
     ET.indent(root)
     return f'<?xml version="1.0" encoding="UTF-8"?>\n{ET.tostring(root, encoding="unicode")}\n'

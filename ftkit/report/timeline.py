@@ -12,7 +12,10 @@ Token times are taken where the engine hands tokens back, so tokens delivered by
 share a time and all but the first show a latency of 0.
 
 matplotlib is imported when a plot is drawn, never at import time, and only through its
-object API (``Figure``): no pyplot, no GUI backend, no change to the process's backend.
+object API (``Figure``): no pyplot, no GUI backend, no change to the process's backend. It is
+not a dependency of the library (serving environments need no plotting): the ``ftkit`` command
+and the ``report`` extra bring it. Without it ``timeline_svg`` raises ``TimelineUnavailable``,
+whose message says how to get the figure, and the HTML report shows that message instead.
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ from ftkit.results import RequestComparison, ScenarioResult
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["token_latencies", "timeline_svg"]
+__all__ = ["TimelineUnavailable", "token_latencies", "timeline_svg"]
+
+#: Shown where the figure would be when matplotlib cannot be imported.
+NO_MATPLOTLIB = ("The timeline figure needs matplotlib, which is not installed here: install "
+                 "the ftkit command (ftkit-cli) or ftkit's report extra (pip install "
+                 "'ftkit[report]'), then render this report again with ftkit report.")
 
 #: Above this many requests the legend is left out (it would hide the plot).
 MAX_LEGEND_REQUESTS = 10
@@ -45,18 +53,29 @@ _SVG_STYLE = {
 _SVG_METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
 
 
+class TimelineUnavailable(RuntimeError):
+    """The timeline cannot be drawn here: matplotlib is not installed. The message says how
+    to get it."""
+
+
 def token_latencies(times: Sequence[float]) -> list[float]:
     """Per token, the time since the previous token (the first: since submission)."""
     return [t - (times[i - 1] if i else 0.0) for i, t in enumerate(times)]
 
 
 def timeline_svg(result: ScenarioResult) -> str | None:
-    """The timeline of ``result`` as an ``<svg>`` element, or ``None`` without token times."""
+    """The timeline of ``result`` as an ``<svg>`` element, or ``None`` without token times.
+
+    Raises ``TimelineUnavailable`` when there is something to draw but matplotlib cannot be
+    imported."""
     timed = [r for r in result.requests if r.actual_times]
     if not timed:
         return None
-    import matplotlib
-    from matplotlib.figure import Figure
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError as missing:
+        raise TimelineUnavailable(NO_MATPLOTLIB) from missing
 
     with matplotlib.rc_context(_SVG_STYLE):
         figure = Figure(figsize=(9.5, 3.8), layout="constrained")

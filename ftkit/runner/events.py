@@ -100,11 +100,17 @@ def _resumed_by_restart(rec: FaultRecord, restarts: Sequence[EngineRestart]) -> 
 
 def progress_line(event: Event) -> tuple[str, str] | None:
     """The ``(stage, message)`` a front end shows for ``event`` while the run goes on, if any:
-    a fired fault, and a recovery round's outcome (once, from rank 0)."""
+    a fired fault, a recovery round's decision, and a step that ran again after failing (the
+    last two once, from rank 0)."""
     if isinstance(event, FaultFired):
         return ("fault", f"{event.kind} on rank {event.rank} at step {event.step} "
                          f"({event.phase}, attempt {event.attempt})")
     if isinstance(event, RecoveryRound) and event.rank == 0:
+        # A round that gives up says why: that is the line a CI log is read for.
+        why = f" ({event.reason})" if event.decision == "raise" and event.reason else ""
         return ("recovery", f"round {event.epoch}: {event.decision} in "
-                            f"{event.duration_s * 1000:.0f} ms")
+                            f"{event.duration_s * 1000:.0f} ms{why}")
+    if isinstance(event, StepRecovered) and event.rank == 0:
+        return ("recovered", f"step {event.step} ran again after {event.failures} failed "
+                             f"attempt(s), {event.recovery_s * 1000:.0f} ms")
     return None

@@ -8,7 +8,8 @@
 
 Modules: ``model`` (the pydantic models), ``rules`` (semantic rules), ``load`` (files,
 directories, globs), ``source`` (YAML with line marks), ``prompts`` (deterministic random
-prompts), ``errors`` (``ScenarioErrors`` and field paths).
+prompts), ``errors`` (``ScenarioErrors`` and field paths), ``overrides`` (fields set for a
+whole run: ``ftkit run --set``).
 """
 
 from ftkit.scenario.errors import ScenarioErrors, format_loc, parse_field
@@ -26,6 +27,7 @@ from ftkit.scenario.model import (
     WorkloadSpec,
     scenario_json_schema,
 )
+from ftkit.scenario.overrides import Overrides, override_lines
 from ftkit.scenario.prompts import random_prompts
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "ExpectSpec",
     "FaultAt",
     "FaultSpec",
+    "Overrides",
     "Phase",
     "RandomPrompts",
     "RecoverySpec",
@@ -44,6 +47,7 @@ __all__ = [
     "load_scenario",
     "load_scenario_text",
     "load_scenarios",
+    "override_lines",
     "parse_field",
     "random_prompts",
     "scenario_json_schema",

@@ -69,26 +69,35 @@ class EngineSpec(_Strict):
     """How the vLLM engine is built."""
 
     model: str = Field("tiny", min_length=1,
-                       description='"tiny" (the embedded test model) or a local model directory')
-    tensor_parallel_size: int = Field(1, ge=1, description="number of ranks")
-    dtype: Dtype = Field("float32", description="vLLM dtype")
-    max_model_len: int = Field(512, ge=1, description="passed to vLLM")
+                       description='the model: "tiny" (the embedded test model, built by '
+                                   "`ftkit model build`) or the path of a local model "
+                                   "directory")
+    tensor_parallel_size: int = Field(1, ge=1, description="number of ranks (vLLM's "
+                                                           "tensor parallel size)")
+    dtype: Dtype = Field("float32", description="the dtype the model computes in (vLLM's "
+                                                "`dtype`)")
+    max_model_len: int = Field(512, ge=1, description="longest sequence, prompt and output "
+                                                      "together, in tokens (vLLM's "
+                                                      "`max_model_len`)")
     block_size: int = Field(32, gt=0, multiple_of=16,
-                            description="KV cache block size; vLLM's CPU backend needs a "
-                                        "multiple of 32")
-    seed: int = Field(0, description="passed to vLLM")
+                            description="KV cache block size in tokens (vLLM's `block_size`); "
+                                        "vLLM's CPU backend needs a multiple of 32")
+    seed: int = Field(0, description="the engine's random seed (vLLM's `seed`)")
     args: dict[str, JsonValue] = Field(default_factory=dict,
-                                       description="further vLLM engine arguments, passed "
-                                                   "through unchanged")
+                                       description="further keyword arguments of vLLM's "
+                                                   "`LLM`, passed through unchanged; they "
+                                                   "override ftkit's own defaults (such as "
+                                                   "`enforce_eager: true`)")
 
 
 class RandomPrompts(_Strict):
     """Prompts drawn from ftkit's fixed English word list, the same on every machine."""
 
-    count: int = Field(ge=1, description="number of prompts (requests)")
+    count: int = Field(ge=1, description="number of prompts, one request each")
     min_words: int = Field(5, ge=1, description="fewest words in a prompt")
-    max_words: int = Field(12, ge=1, description="most words in a prompt")
-    seed: int = Field(0, description="seed of the draw")
+    max_words: int = Field(12, ge=1, description="most words in a prompt (at least "
+                                                 "`min_words`)")
+    seed: int = Field(0, description="seed of the draw: the same seed gives the same prompts")
 
 
 class WorkloadSpec(_Strict):
@@ -101,9 +110,11 @@ class WorkloadSpec(_Strict):
                           "on every machine")
     max_tokens: int = Field(64, ge=1, description="output tokens per request")
     temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling bound")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: sample among the most "
+                                                      "likely tokens whose probabilities add "
+                                                      "up to this; 1 keeps every token")
     seed: int | None = Field(None, description="per-request sampling seed, used when "
-                                               "temperature > 0")
+                                               "temperature > 0 (none: unseeded)")
 
     def prompt_count(self) -> int:
         """How many requests the workload sends (0 only if neither prompt source is set)."""
@@ -126,15 +137,17 @@ class WorkloadSpec(_Strict):
 class RecoverySpec(_Strict):
     """The recovery engine's settings for this run."""
 
-    enabled: bool = Field(True, description="run with the recovery engine on or off")
-    max_reinference: int = Field(3, ge=0, description="re-runs of one step before giving "
-                                                      "up; 0 means no retry")
+    enabled: bool = Field(True, description="run with the recovery engine on (`true`) or off "
+                                            "(`false`: a fault surfaces as vLLM's error)")
+    max_reinference: int = Field(3, ge=0, description="re-runs of one step before the fault "
+                                                      "is surfaced; 0 means no retry")
 
 
 class FaultAt(_Strict):
     """The engine step that computes output token ``token`` (0 = prefill) of ``request``."""
 
-    request: int = Field(ge=0, description="index into the workload's prompts")
+    request: int = Field(ge=0, description="the request, as an index into the workload's "
+                                           "prompts (from 0)")
     token: int = Field(ge=0, description="0-based output token index; 0 is the prefill step")
 
 
@@ -142,14 +155,23 @@ class FaultSpec(_Strict):
     """One injected fault."""
 
     # Enums need strict=False to accept their string values from YAML.
-    kind: FaultKind = Field(strict=False, description="the fault kind (`ftkit list`; see the "
-                                                      "per-kind params below)")
-    rank: Rank = Field(description='the rank that fails, or "all"')
+    kind: FaultKind = Field(strict=False, description="the fault kind (`ftkit list`); it "
+                                                      "decides which `params` apply")
+    rank: Rank = Field(description='the rank that fails (from 0, below '
+                                   '`engine.tensor_parallel_size`), or "all"')
     at: FaultAt = Field(description="The engine step that computes output token `token` (0 = "
                                     "prefill) of `request`.")
-    phase: Phase = Field("forward", description="where inside the step the fault fires")
-    times: int = Field(1, ge=1, description="consecutive failing attempts of the step")
-    params: dict[str, JsonValue] = Field(default_factory=dict, description="kind-specific")
+    phase: Phase = Field("forward", description="where inside the step the fault fires: "
+                                                "`before` (before the model runner touches "
+                                                "its state), `forward` (inside the model "
+                                                "forward) or `sample` (after sampling, "
+                                                "before the tokens are booked)")
+    times: int = Field(1, ge=1, description="consecutive attempts of the step that fail (the "
+                                            "first run, then re-runs)")
+    params: dict[str, JsonValue] = Field(default_factory=dict,
+                                         description="the kind's own settings (see the "
+                                                     "params of each kind); unknown keys "
+                                                     "are errors")
 
 
 class ExpectSpec(_Strict):
@@ -158,28 +180,36 @@ class ExpectSpec(_Strict):
     outcome: Outcome = Field("recovered", description="`recovered`: the run must finish; "
                                                       "`failed`: the fault must surface as an "
                                                       "error")
-    tokens: TokenExpectation = Field("identical", description='"prefix": only the tokens '
-                                                               "before the fault must match")
-    max_recovery_s: float = Field(10.0, gt=0, description="upper bound on each recovery round")
-    timeout_s: float = Field(300.0, gt=0, description="hard bound on the whole run")
+    tokens: TokenExpectation = Field("identical", description="`identical`: every token must "
+                                                              "match the fault-free run; "
+                                                              "`prefix`: only the tokens "
+                                                              "before the fault must match")
+    max_recovery_s: float = Field(10.0, gt=0, description="upper bound on each recovery "
+                                                          "round, in seconds")
+    timeout_s: float = Field(300.0, gt=0, description="hard bound on the whole run, in "
+                                                      "seconds")
 
 
 class Scenario(_Strict):
     """One scenario: an engine, a workload, the faults to inject and the expected verdict."""
 
     name: str = Field(pattern=NAME_PATTERN, description="identifier of the scenario, used in "
-                                                         "reports and by `ftkit run -k`")
+                                                         "reports and by `ftkit run -k`; "
+                                                         "unique among the scenarios of a run")
     description: str = Field("", description="free text")
     engine: EngineSpec = Field(default_factory=EngineSpec,
-                               description="How the vLLM engine is built.")
+                               description="How the vLLM engine is built; every key has a "
+                                           "default.")
     workload: WorkloadSpec = Field(description="The requests: exactly one of `prompts` and "
                                                "`random_prompts`, and how to sample.")
     recovery: RecoverySpec = Field(default_factory=RecoverySpec,
-                                   description="The recovery engine's settings for this run.")
-    faults: list[FaultSpec] = Field(description="may be empty: the run is then a "
-                                                "determinism check")
+                                   description="The recovery engine's settings for this run; "
+                                               "every key has a default.")
+    faults: list[FaultSpec] = Field(description="the faults to inject; may be empty: the run "
+                                                "is then a determinism check")
     expect: ExpectSpec = Field(default_factory=ExpectSpec,
-                               description="What the run must show to pass.")
+                               description="What the run must show to pass; every key has a "
+                                           "default.")
 
     # Where the scenario came from; not part of the format.
     _source: str | None = PrivateAttr(None)
@@ -234,11 +264,12 @@ class Scenario(_Strict):
 
 
 def scenario_json_schema() -> dict[str, Any]:
-    """A JSON Schema (draft 2020-12) of the scenario format, for editors and outside tools.
+    """The JSON Schema (draft-07) of the scenario format, for editors and outside tools.
 
-    It covers keys and types; the semantic rules (``ftkit.scenario.rules``) are not in it.
+    The same schema is published as ``ftkit/scenario/scenario.schema.json`` (built by
+    ``ftkit.scenario.schema``). It covers keys and types, ``params`` per fault kind included;
+    the semantic rules (``ftkit.scenario.rules``) are not in it.
     """
-    schema = Scenario.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = f"ftkit scenario (format {FORMAT_VERSION})"
-    return schema
+    from ftkit.scenario.schema import build  # it reads the models of this module
+
+    return build()

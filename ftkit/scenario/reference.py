@@ -1,12 +1,12 @@
 """The scenario reference (``docs/scenarios.md``), generated from the scenario models.
 
 Every field of the format, with its type, default and description, comes from the JSON
-Schema of the models (``scenario_json_schema``); the per-kind ``params`` come from each
-kind's params model in the ``ftkit.kinds`` registry. Nothing is restated here, so the page
-cannot drift from the code as long as it is regenerated; ``tests/unit/test_docs.py`` fails
-when it was not::
+Schema of the models (``scenario_json_schema``, published as ``scenario.schema.json``); the
+per-kind ``params`` come from each kind's params model in the ``ftkit.kinds`` registry.
+Nothing is restated here, so the page cannot drift from the code as long as it is
+regenerated; ``tests/unit/test_docs.py`` fails when it was not::
 
-    python -m ftkit.scenario.reference --write      # rewrite docs/scenarios.md
+    python -m ftkit.scenario.reference --write      # rewrite docs/scenarios.md and the schema
     python -m ftkit.scenario.reference              # print the page
 
 What a caller may rely on: ``render()`` is a pure function of the models (the same page
@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ftkit.scenario import schema as published
 from ftkit.scenario.model import FORMAT_VERSION, scenario_json_schema
 
 #: Where the page lives, relative to the repository root.
@@ -30,11 +31,10 @@ PAGE = Path("docs") / "scenarios.md"
 REGENERATE = "python -m ftkit.scenario.reference --write"
 
 
-
 def render() -> str:
     """The whole reference page as Markdown."""
     schema = scenario_json_schema()
-    defs = schema.get("$defs", {})
+    defs = schema.get("definitions", {})
     parts = [_intro()]
     for path, obj in _sections(schema, defs):
         parts.append(_section(path, obj, defs))
@@ -57,7 +57,19 @@ def _intro() -> str:
         f"The scenario format, version {FORMAT_VERSION}. A scenario is one YAML file; unknown "
         "keys and wrong types are errors, reported with file, line and field path "
         "(`ftkit validate FILE`). Numbers are not read from strings, and a bool is not a "
-        "number. `ftkit schema` prints the same format as a JSON Schema, for editors.\n\n"
+        "number.\n\n"
+        f"The same format is published as a JSON Schema (draft-07, `$id` "
+        f"`{published.schema_id()}`): the file `{_repo_path(published.SCHEMA_FILE)}`, "
+        "installed with the package and printed by `ftkit schema`. It checks keys, types "
+        "and each fault kind's `params`, not the rules below. Editors that use "
+        "yaml-language-server (such as VS Code's YAML extension) check and complete a "
+        "scenario as it is typed when its first line names the schema file by a path "
+        "relative to the scenario. Every bundled scenario starts so; in `scenarios/`:\n\n"
+        "```yaml\n"
+        f"{published.MODELINE}../{_repo_path(published.SCHEMA_FILE)}\n"
+        "```\n\n"
+        "Scenarios kept outside this repository can point at a copy made by `ftkit schema > "
+        "scenario.schema.json`.\n\n"
         "Beyond types, a scenario must make sense: the rules (a fault's rank, request and "
         "token exist, a link fault has a peer, an expected recovery is possible ...) and "
         "what each fault kind does are in [the fault catalogue](faults.md). A complete "
@@ -96,6 +108,9 @@ def _is_array(prop: dict[str, Any], defs: dict[str, Any]) -> bool:
 
 
 def _resolve(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    # The schema wraps a reference that has a description beside it as {"allOf": [ref]}.
+    if len(prop.get("allOf", [])) == 1 and "$ref" in prop["allOf"][0]:
+        prop = {**prop["allOf"][0], **{k: v for k, v in prop.items() if k != "allOf"}}
     ref = prop.get("$ref")
     if ref is None:
         return prop
@@ -220,6 +235,12 @@ def _kinds() -> list[Any]:
     return list(KIND_SPECS.values())
 
 
+def _repo_path(path: Path) -> str:
+    """``path`` (a file of the package) relative to the repository root, with slashes."""
+    package_root = Path(published.__file__).resolve().parents[2]
+    return path.resolve().relative_to(package_root).as_posix()
+
+
 def _prose(text: str) -> str:
     """A docstring or description as Markdown: reST literals become code spans."""
     return " ".join(text.replace("``", "`").split())
@@ -233,12 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ftkit.scenario.reference",
                                  description="Print or rewrite the scenario reference page.")
     ap.add_argument("--write", action="store_true",
-                    help=f"rewrite {PAGE} under --root instead of printing the page")
+                    help=f"rewrite {PAGE} and the published schema file under --root "
+                         "instead of printing the page")
     ap.add_argument("--root", type=Path, default=Path.cwd(),
                     help="the repository root (default: the current directory)")
     args = ap.parse_args(argv)
     if args.write:
         print(write(args.root))
+        # The schema file is generated from the same models: one command keeps both in step.
+        print(published.write(args.root / _repo_path(published.SCHEMA_FILE)))
     else:
         sys.stdout.write(render())
     return 0

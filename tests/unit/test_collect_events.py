@@ -102,4 +102,4 @@ def test_progress_lines_name_the_fault_and_the_round_once():
     assert progress_line(round_part(3, 0, "failed", 0.5, duration_s=0.25)) == (
         "recovery", "round 3: recompute in 250 ms")
     assert progress_line(round_part(3, 1, "stopped", 0.5)) is None
-    assert progress_line(recovered(0.7)) is None
+    assert progress_line(recovered(0.7, rank=1)) is None  # rank 0 reports a recovered step
