@@ -39,6 +39,9 @@ KILL_WAIT_POLL_S = 0.05
 HOST_EXIT_GRACE_S = 30.0
 #: Bound on waiting for the thread that reads an engine host's progress lines to end.
 HOST_READER_JOIN_S = 5.0
+#: How long an engine host whose input ended waits to see whether its parent died (the kernel
+#: closes a dying process's pipes a moment before it marks the process dead).
+ORPHAN_CHECK_S = 2.0
 #: How often the runner looks at the event log for new fault and recovery events (and at the
 #: engine host: alive, deadline passed, new processes below it).
 EVENT_POLL_S = 0.25

@@ -11,6 +11,9 @@ and the pytest plugin (through the engine session). What a caller may rely on:
 * Every function that signals goes through one kill loop (``_signal``) and every wait is
   bounded (``ftkit.bounds``); a child of this process that has exited is waited for (reaped),
   so no zombie of ours is left behind.
+* What killed processes leave in shared memory is found while they live
+  (``shared_memory_files``) and removed once they are reaped (``remove_files``): a process
+  killed with SIGKILL runs no clean-up of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import psutil
 from ftkit.bounds import DEATH_WATCH_POLL_S, PROCESS_POLL_S, REAP_GRACE_S
 
 log = logging.getLogger("ftkit")
+
+#: Where POSIX shared memory segments live (``shm_open``) on Linux.
+SHM_DIR = "/dev/shm/"
 
 
 def spawn(argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
@@ -53,6 +59,35 @@ def descendants(proc: psutil.Process) -> list[psutil.Process]:
         return proc.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def shared_memory_files(processes: Iterable[psutil.Process]) -> set[str]:
+    """The shared memory segments (files under ``SHM_DIR``) that ``processes`` have mapped or
+    open now: what they would leave behind if they were killed."""
+    found: set[str] = set()
+    for proc in processes:
+        try:
+            found.update(m.path for m in proc.memory_maps() if m.path.startswith(SHM_DIR))
+            found.update(f.path for f in proc.open_files() if f.path.startswith(SHM_DIR))
+        except psutil.Error:
+            continue  # gone, or not ours to read: it holds nothing we can name
+    return found
+
+
+def remove_files(paths: Iterable[str]) -> list[str]:
+    """Remove the files ``paths`` that still exist (segments or stores of processes that are
+    reaped); returns those removed. Call it only once the processes that used them are gone."""
+    removed = []
+    for path in sorted(set(paths)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("ftkit: could not remove %s: %s", path, exc)
+            continue
+        removed.append(path)
+    return removed
 
 
 def alive(proc: psutil.Process) -> bool:

@@ -153,6 +153,12 @@ class JobResult:
             **raw)
 
 
+#: In the parent's folder for an engine host (``python -m ftkit.vllm.host --work FOLDER``):
+#: the files the host's engines hold in shared memory, one path per line, which the parent
+#: removes after it had to kill the host.
+LEFTOVERS_FILE = "leftovers"
+
+
 @dataclass(frozen=True)
 class HostRequest:
     """One line to an engine host: run the job in ``job_path``, or (``None``) exit."""

@@ -25,6 +25,7 @@ from ftkit import procs
 from ftkit.bounds import EVENT_POLL_S, HOST_EXIT_GRACE_S, HOST_READER_JOIN_S
 from ftkit.contracts.eventlog import Event, read_events
 from ftkit.contracts.job import (
+    LEFTOVERS_FILE,
     SHOWN_STAGES,
     EngineJob,
     HostMessage,
@@ -77,7 +78,9 @@ class HostClient:
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "a") as log:
             self.proc = procs.spawn(
-                [sys.executable, "-m", "ftkit.vllm.host"], stdin=subprocess.PIPE,
+                [sys.executable, "-m", "ftkit.vllm.host", "--work", str(self.work),
+                 "--parent", str(os.getpid())],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self._root = procs.identify(self.proc.pid)
         self._reader = threading.Thread(target=self._read_progress, daemon=True)
@@ -177,6 +180,11 @@ class HostClient:
                 procs.wait_gone(procs.kill(self._descendants))
             if self._reader is not None:
                 self._reader.join(timeout=HOST_READER_JOIN_S)
+            # What the host's engines held in shared memory, if the host could not remove it
+            # (killed above, or died): every process that used it is gone now.
+            listed = self.work / LEFTOVERS_FILE
+            if listed.is_file():
+                procs.remove_files(listed.read_text().split())
             shutil.rmtree(self.work, ignore_errors=True)
 
     def _note_descendants(self) -> None:

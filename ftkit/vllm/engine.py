@@ -3,7 +3,11 @@
 ``EngineSession`` owns one engine: tensor parallel 1 runs in-process (no engine-core process),
 tensor parallel 2 and more use vLLM's normal multi-process executor. Every process the engine
 starts is recorded at start and reaped at ``close()``, also when the engine died; a process
-that outlives the grace period is killed (``ftkit.procs``).
+that outlives the grace period is killed (``ftkit.procs``). What those processes hold in shared
+memory (vLLM's CPU communicator segments, its message queues) and vLLM's file store of the
+distributed group are noted at start and removed once the processes are reaped: a killed
+engine (a ``process_kill`` fault, a restart, a host killed with its front end) would leave them
+behind for good, 8 MB per engine at tensor parallel 2 and more for larger ones.
 
 The engine is built from the scenario's ``EngineSpec`` (``model``: the model directory) and,
 for an ftkit engine, a ``RecoveryConfig``; faults are planned per run with a ``FaultPlan``.
@@ -29,7 +33,7 @@ from ftkit.contracts.plan import FaultPlan
 from ftkit.errors import EngineError, RunTimeout
 from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
-from ftkit.vllm.environment import engine_args, engine_environment
+from ftkit.vllm.environment import engine_args, engine_environment, file_stores_of
 from ftkit.vllm.workload import GenerateResult, Workload
 
 log = logging.getLogger("ftkit")
@@ -39,12 +43,14 @@ class EngineSession:
     """One real vLLM engine, started once and used for one or more workloads."""
 
     def __init__(self, spec: EngineSpec, *, recovery: RecoveryConfig | None = None,
-                 multiprocess: bool | None = None) -> None:
+                 multiprocess: bool | None = None, leftovers_file: str | None = None) -> None:
         """``spec.model`` is a model directory. ``recovery``: run ftkit in the engine with
         these settings (None: a plain vLLM engine). ``multiprocess``: run the engine core in
         its own process. The default is vLLM's multi-process executor for tensor parallel 2
         and more, in-process for 1. Only one in-process engine may live in a process at a
-        time (it owns the process's default process group)."""
+        time (it owns the process's default process group). ``leftovers_file``: a file to
+        which the paths of ``leftovers`` are appended as they are noted, one per line, for an
+        owner that may have to remove them after killing this process."""
         self.spec = spec
         self.multiprocess = spec.tensor_parallel_size > 1 if multiprocess is None else multiprocess
         self.recovery = recovery
@@ -59,6 +65,10 @@ class EngineSession:
         self._runs = 0
         #: The fault plan of each run id, as given, to plan it again after a restart.
         self._plans: dict[str, FaultPlan] = {}
+        #: Files the current engine's processes hold (shared memory, vLLM's file store),
+        #: removed once they are reaped.
+        self.leftovers: set[str] = set()
+        self._leftovers_file = leftovers_file
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -73,12 +83,22 @@ class EngineSession:
                 self.llm = LLM(**engine_args(self.spec, self.recovery))
         except Exception as exc:
             self._track_children(me, before)
+            self._note_leftovers()
             self.close()
             raise EngineError(f"vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
         finally:
             self._track_children(me, before)
+        self._note_leftovers()
         self.start_s = time.monotonic() - started
         return self
+
+    def _note_leftovers(self) -> None:
+        found = procs.shared_memory_files(p for p in self._procs if procs.alive(p))
+        new = (found | file_stores_of(found)) - self.leftovers
+        self.leftovers |= new
+        if new and self._leftovers_file is not None:
+            with open(self._leftovers_file, "a") as out:
+                out.writelines(f"{path}\n" for path in sorted(new))
 
     def _track_children(self, me: psutil.Process, before: set[int]) -> None:
         for p in procs.descendants(me):
@@ -92,6 +112,8 @@ class EngineSession:
         self._shut_down()
         procs.reap(self._procs + self._dying, REAP_GRACE_S)
         self._procs, self._dying = [], []
+        procs.remove_files(self.leftovers)
+        self.leftovers = set()
 
     def _shut_down(self) -> None:
         llm, self.llm = self.llm, None
@@ -226,9 +248,11 @@ class EngineSession:
         self._shut_down()
         self._dying += procs.kill(self._procs)
         self._procs = []
+        dead_engines, self.leftovers = self.leftovers, set()
         self.start()
         procs.reap(self._dying, REAP_GRACE_S)
         self._dying = []
+        procs.remove_files(dead_engines - self.leftovers)
         restart_s = time.monotonic() - died
         plan = self._plans.get(work.run_id)
         if plan is not None:

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -12,6 +13,10 @@ import psutil
 
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.scenario.model import EngineSpec
+
+#: How vLLM names the file store of a CPU engine's distributed group (and, after it, the
+#: group's shared memory segments).
+_FILE_STORE_PREFIX = "vllm_dist_"
 
 #: Engine arguments ftkit sets unless the scenario's ``engine.args`` says otherwise.
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {
@@ -79,3 +84,17 @@ def engine_environment(tp: int, multiprocess: bool) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def file_stores_of(segments: Iterable[str]) -> set[str]:
+    """vLLM's file stores of the distributed groups whose CPU communicator segments are
+    ``segments``: vLLM's CPU worker names each segment after its group's file store
+    (``<temp dir>/vllm_dist_<hex>``, from ``get_file_store_init_method``) and never removes
+    that file."""
+    stores = set()
+    for segment in segments:
+        name = os.path.basename(segment)
+        if name.startswith(_FILE_STORE_PREFIX):
+            ident = name.split("-", 1)[0]
+            stores.add(os.path.join(tempfile.gettempdir(), ident))
+    return stores

@@ -12,33 +12,54 @@ from an empty prefix cache; an engine that a job left dead (an expected failure,
 process) is replaced before the next job runs.
 
 The parent (``ftkit.runner``) owns this process and everything below it: on a timeout, on
-Ctrl-C or on failure it kills the whole tree, so a hung engine can never outlive a run.
+Ctrl-C or on failure it kills the whole tree, so a hung engine can never outlive a run. The
+files the engines' processes hold in shared memory are listed in ``WORK/leftovers`` (``--work
+WORK``, the parent's folder for this host) for the parent to remove after such a kill. When
+the parent itself dies (killed with SIGKILL: nobody is left to clean up), standard input ends
+without an exit request: the host closes its engine, which removes those files, and removes
+the parent's folder, then exits.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import IO
 
-from ftkit.bounds import PROGRESS_EVERY_S
-from ftkit.contracts.job import EngineJob, HostMessage, HostRequest, JobResult, Stage
+from ftkit import procs
+from ftkit.bounds import ORPHAN_CHECK_S, PROGRESS_EVERY_S
+from ftkit.contracts.job import (
+    LEFTOVERS_FILE,
+    EngineJob,
+    HostMessage,
+    HostRequest,
+    JobResult,
+    Stage,
+)
 from ftkit.vllm.engine import EngineSession
 
 
 def _say(message: HostMessage) -> None:
-    sys.stdout.write(message.to_json() + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(message.to_json() + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        pass  # the parent is gone (or closed its end): nobody to tell, the work goes on
 
 
 class Host:
     """The engine of this process, and the jobs run on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, work: Path | None = None) -> None:
         self.session: EngineSession | None = None
         self.key: str | None = None
+        #: The parent's folder for this host (``LEFTOVERS_FILE`` goes there), if given.
+        self.work = work
 
     def run_job(self, job: EngineJob) -> JobResult:
         """Run ``job``; an error of any kind is in the result, never raised."""
@@ -78,8 +99,9 @@ class Host:
         self.close()
         _say(HostMessage(Stage.ENGINE_START,
                          f"tensor parallel {job.engine.tensor_parallel_size}"))
+        leftovers = str(self.work / LEFTOVERS_FILE) if self.work is not None else None
         self.session = EngineSession(job.engine, recovery=job.recovery,
-                                     multiprocess=job.multiprocess)
+                                     multiprocess=job.multiprocess, leftovers_file=leftovers)
         self.key = key
         self.session.start()
         return self.session, True
@@ -91,14 +113,23 @@ class Host:
             session.close()
 
 
-def serve(stdin: IO[str]) -> int:
-    host = Host()
+def serve(stdin: IO[str], work: Path | None = None, parent_pid: int | None = None) -> int:
+    """Run the jobs requested on ``stdin`` until an exit request or the end of input.
+
+    ``work``: the parent's folder for this host, removed here when the input ends because the
+    parent (``parent_pid``, this process's parent by default) died: it is then this process's
+    to clean up."""
+    host = Host(work)
+    # Pinned now (pid and start time); a parent that died before this line is gone already.
+    parent = procs.identify(parent_pid if parent_pid is not None else os.getppid())
+    asked_to_exit = False
     try:
         for line in stdin:
             if not line.strip():
                 continue
             request = HostRequest.from_json(line)
             if request.job_path is None:
+                asked_to_exit = True
                 break
             job = EngineJob.from_json(Path(request.job_path).read_text())
             result = host.run_job(job)
@@ -108,9 +139,25 @@ def serve(stdin: IO[str]) -> int:
             _say(HostMessage(Stage.JOB_DONE, request.job_path))
     finally:
         host.close()
-        _say(HostMessage(Stage.EXIT))
+        orphaned = not asked_to_exit and (
+            parent is None or procs.wait_gone([parent], ORPHAN_CHECK_S) == [])
+        if orphaned and work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            _say(HostMessage(Stage.EXIT))
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ftkit.vllm.host")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="the parent's folder for this host (see the module docstring)")
+    parser.add_argument("--parent", type=int, default=None,
+                        help="the parent's pid (given, it survives the parent dying while "
+                             "this process starts)")
+    args = parser.parse_args(argv)
+    return serve(sys.stdin, args.work, args.parent)
+
+
 if __name__ == "__main__":
-    sys.exit(serve(sys.stdin))
+    sys.exit(main())

@@ -2,7 +2,9 @@
 
 Every command runs with a unique tag in its environment, inherited by every process below
 it; after each test no tagged process may be alive (the engine host, the engine core and the
-workers are all ftkit's to reap, also on timeout and Ctrl-C).
+workers are all ftkit's to reap, also on timeout, Ctrl-C and SIGKILL of ``ftkit`` itself), and
+nothing new may be left in shared memory or the temporary folder (the hosts' folders, vLLM's
+file stores and communicator segments), also when an engine was killed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -69,11 +72,24 @@ def tagged_processes(tag: str) -> list[int]:
     return found
 
 
+def leftover_files() -> set[str]:
+    """What ftkit's engines and hosts could leave: shared memory segments, the hosts'
+    folders and vLLM's file stores in the temporary folder (the suite runs one test at a
+    time, so anything new is this test's)."""
+    shm = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm")} if os.path.isdir("/dev/shm") \
+        else set()
+    tmp = tempfile.gettempdir()
+    return shm | {os.path.join(tmp, n) for n in os.listdir(tmp)
+                  if n.startswith(("ftkit-host-", "vllm_dist_"))}
+
+
 def run_ftkit(args: list[str], cache_dir: Path, timeout: float = 600):
     env, tag = tagged_env(cache_dir)
+    before = leftover_files()
     proc = subprocess.run(FTKIT + args, capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
     assert tagged_processes(tag) == [], "ftkit left processes behind"
+    assert leftover_files() - before == set(), "ftkit left files behind"
     return proc
 
 
@@ -166,6 +182,37 @@ def test_ctrl_c_stops_cleanly(tmp_path, cache_dir):
     assert proc.returncode == 130, out + err
     assert "interrupted" in (out + err).lower()
     assert tagged_processes(tag) == []
+
+
+def test_sigkill_of_ftkit_leaves_no_process_and_no_file_behind(tmp_path, cache_dir):
+    """``ftkit`` killed with SIGKILL runs no clean-up: its engine host sees its input end,
+    closes the engine (a plain vLLM engine at TP 2, the baseline's), removes what the
+    engine's processes held in shared memory and the front end's folder for it, and exits."""
+    scenario = write(tmp_path, "tp2.yaml", TP1_OOM.replace(
+        "tensor_parallel_size: 1", "tensor_parallel_size: 2").replace("max_tokens: 24",
+                                                                      "max_tokens: 200"))
+    env, tag = tagged_env(cache_dir / f"fresh-{uuid.uuid4().hex}")  # no cached baseline
+    before = leftover_files()
+    proc = subprocess.Popen(FTKIT + ["run", str(scenario)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stderr:  # progress lines (not a terminal): wait for a live engine
+            if "engine ready" in line or time.monotonic() > deadline:
+                break
+        assert "engine ready" in line, "the engine did not start"
+        proc.kill()
+        proc.wait(10)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 15 and (
+                tagged_processes(tag) or leftover_files() - before):
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert tagged_processes(tag) == [], "processes outlived ftkit by 15 s"
+    assert leftover_files() - before == set(), "files outlived ftkit by 15 s"
 
 
 def test_malformed_scenario_exits_2_with_file_line_and_field(tmp_path, cache_dir):

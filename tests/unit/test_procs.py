@@ -140,3 +140,39 @@ def test_death_watch_without_processes_does_nothing():
 def test_the_resource_tracker_is_a_helper_not_an_engine_process(started):
     child = started(SLEEP)
     assert not procs.is_process_helper(procs.identify(child.pid))
+
+
+# --- what killed processes leave in shared memory ---------------------------------------------
+
+#: Maps a new shared memory segment (as shm_open + mmap do; no resource tracker), prints its
+#: path, sleeps.
+SEGMENT_HOLDER = [sys.executable, "-c",
+                  "import mmap, os, sys, time; path = sys.argv[1]; "
+                  "fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600); os.ftruncate(fd, 4096); "
+                  "m = mmap.mmap(fd, 4096); os.close(fd); m[:5] = b'ftkit'; "
+                  "print(path, flush=True); time.sleep(60)"]
+
+
+@pytest.fixture
+def segment_path():
+    path = f"{procs.SHM_DIR}ftkit-test-{os.getpid()}-{time.monotonic_ns()}"
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+@pytest.mark.skipif(not os.path.isdir(procs.SHM_DIR), reason="no /dev/shm on this system")
+def test_a_killed_processs_segment_is_found_while_it_lives_and_removed_once_reaped(
+        started, segment_path):
+    holder = started([*SEGMENT_HOLDER, segment_path], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == segment_path
+    bystander = started(SLEEP)
+    held = procs.identify(holder.pid)
+    assert segment_path in procs.shared_memory_files([held])
+    assert segment_path not in procs.shared_memory_files([procs.identify(bystander.pid)])
+    holder.kill()
+    holder.wait(timeout=10)
+    assert os.path.exists(segment_path)  # SIGKILL ran no clean-up: the segment stays
+    assert procs.remove_files([segment_path, segment_path + "-never-made"]) == [segment_path]
+    assert not os.path.exists(segment_path)
+    assert procs.shared_memory_files([held]) == set()  # a gone process holds nothing

@@ -8,12 +8,15 @@ must be the fault-free one, no token lost and none duplicated, and no process ma
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import psutil
 import pytest
 import torch
 
+from ftkit import procs
 from ftkit.contracts.eventlog import FaultFired, only, read_events
 from ftkit.contracts.plan import FaultPlan
 from ftkit.contracts.requests import parse_request_id, request_id
@@ -27,9 +30,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def test_killed_worker_is_resumed_token_for_token(tiny_model, baseline, tmp_path):
+    shm_before = set(os.listdir(procs.SHM_DIR))
     engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
                            recovery=recovery_config(str(tmp_path)))
     with engine:
+        # The CPU communicator's segments of both ranks, and vLLM's file store of the group.
+        first_engine = set(engine.leftovers)
+        assert sum("cpushm" in p for p in first_engine) >= 2
+        assert any(os.path.dirname(p) == tempfile.gettempdir() for p in first_engine)
         run_id = engine.new_run_id()
         engine.set_fault_plan(FaultPlan.from_specs(
             run_id, [fault("process_kill", 1, 1, 17, "forward")]))
@@ -48,6 +56,14 @@ def test_killed_worker_is_resumed_token_for_token(tiny_model, baseline, tmp_path
     # and did not kill again.
     assert len(engine.pids) > len(first_pids)
     assert_reaped(engine.pids)
+    # The killed engine ran no clean-up of its own: ftkit removed what it left, and what the
+    # second engine held once that one was closed.
+    assert not [p for p in first_engine if os.path.exists(p)]
+    # (Named semaphores, ``sem.*``, are not the engine's to leave: its spawned processes
+    # register them with this process's resource tracker, which unlinks them when this
+    # process, the engine's front end, ends.)
+    left = {n for n in set(os.listdir(procs.SHM_DIR)) - shm_before if not n.startswith("sem.")}
+    assert not left, sorted(left)
 
 
 def test_resumed_request_ids_carry_their_offset():
