@@ -89,6 +89,10 @@ def run_ftkit(args: list[str], cache_dir: Path, timeout: float = 600):
     proc = subprocess.run(FTKIT + args, capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
     assert tagged_processes(tag) == [], "ftkit left processes behind"
+    # Resource trackers of exited processes unlink their semaphores a moment later.
+    deadline = time.monotonic() + 5
+    while leftover_files() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert leftover_files() - before == set(), "ftkit left files behind"
     return proc
 
