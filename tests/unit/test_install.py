@@ -202,6 +202,51 @@ def test_make_setup_falls_back_quietly_when_the_index_is_unreachable(tmp_path):
     assert bad.returncode != 0 and calls == [] and "TORCH_INDEX=" in bad.stderr
 
 
+def python_stand_in(tmp_path: Path, version: tuple[int, int, int]) -> Path:
+    """An interpreter that runs ``-c CODE`` with ``sys.version_info`` of ``version``, and for
+    ``-m venv DIR`` only writes DIR into ``venv.requested`` beside itself."""
+    stand_in = tmp_path / f"python{version[0]}.{version[1]}"
+    shown = ".".join(map(str, version))
+    stand_in.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-m" ]; then echo "$3" > {tmp_path}/venv.requested; exit 0; fi\n'
+        '[ "$1" = "-c" ] || exit 99\n'
+        f'FTKIT_TEST_CODE="$2" exec {sys.executable} -c "import os, sys; '
+        f"sys.version_info = ({version[0]}, {version[1]}, {version[2]}, 'final', 0); "
+        f"sys.version = '{shown} (stand-in)'; exec(os.environ['FTKIT_TEST_CODE'])\"\n")
+    stand_in.chmod(0o755)
+    return stand_in
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
+@pytest.mark.parametrize("version, accepted", [((3, 10, 12), False), ((3, 11, 7), True),
+                                               ((3, 14, 0), True), ((3, 15, 0), False)])
+def test_make_setup_checks_the_python_version_before_anything_else(tmp_path, version, accepted):
+    venv = tmp_path / "venv"
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), f"{venv}/bin/python",
+         f"VENV={venv}", f"PYTHON={python_stand_in(tmp_path, version)}"],
+        capture_output=True, text=True, timeout=60)
+    requested = tmp_path / "venv.requested"
+    if accepted:
+        assert result.returncode == 0, result.stderr
+        assert requested.read_text().strip() == str(venv)
+    else:
+        assert result.returncode != 0 and not requested.exists()
+        shown = ".".join(map(str, version))
+        assert "needs Python 3.11 to 3.14" in result.stderr and shown in result.stderr
+        assert "PYTHON=" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
+def test_make_setup_names_a_missing_interpreter(tmp_path):
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), f"{tmp_path}/venv/bin/python",
+         f"VENV={tmp_path}/venv", f"PYTHON={tmp_path}/no-such-python3"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "not found" in result.stderr
+
+
 def test_the_makefile_default_is_pytorchs_cpu_index():
     assert makefile_default("TORCH_INDEX") == torch_index.DEFAULT_INDEX \
         == "https://download.pytorch.org/whl/cpu"
