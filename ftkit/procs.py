@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -75,12 +76,16 @@ def shared_memory_files(processes: Iterable[psutil.Process]) -> set[str]:
 
 
 def remove_files(paths: Iterable[str]) -> list[str]:
-    """Remove the files ``paths`` that still exist (segments or stores of processes that are
-    reaped); returns those removed. Call it only once the processes that used them are gone."""
+    """Remove the files and folders ``paths`` that still exist (segments or temporary folders
+    of processes that are reaped); returns those removed. Call it only once the processes that
+    used them are gone."""
     removed = []
     for path in sorted(set(paths)):
         try:
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
         except FileNotFoundError:
             continue
         except OSError as exc:

@@ -4,10 +4,11 @@
 tensor parallel 2 and more use vLLM's normal multi-process executor. Every process the engine
 starts is recorded at start and reaped at ``close()``, also when the engine died; a process
 that outlives the grace period is killed (``ftkit.procs``). What those processes hold in shared
-memory (vLLM's CPU communicator segments, its message queues) and vLLM's file store of the
-distributed group are noted at start and removed once the processes are reaped: a killed
-engine (a ``process_kill`` fault, a restart, a host killed with its front end) would leave them
-behind for good, 8 MB per engine at tensor parallel 2 and more for larger ones.
+memory (vLLM's CPU communicator segments, its message queues) is noted at start, and each
+engine gets a temporary folder of its own (vLLM's file store of the distributed group goes
+there); both are removed once the processes are reaped: a killed engine (a ``process_kill``
+fault, a restart, a host killed with its front end) would leave them behind for good, 8 MB
+per engine at tensor parallel 2 and more for larger ones.
 
 The engine is built from the scenario's ``EngineSpec`` (``model``: the model directory) and,
 for an ftkit engine, a ``RecoveryConfig``; faults are planned per run with a ``FaultPlan``.
@@ -18,8 +19,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psutil
@@ -33,7 +35,7 @@ from ftkit.contracts.plan import FaultPlan
 from ftkit.errors import EngineError, RunTimeout
 from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
-from ftkit.vllm.environment import engine_args, engine_environment, file_stores_of
+from ftkit.vllm.environment import engine_args, engine_environment
 from ftkit.vllm.workload import GenerateResult, Workload
 
 log = logging.getLogger("ftkit")
@@ -65,8 +67,8 @@ class EngineSession:
         self._runs = 0
         #: The fault plan of each run id, as given, to plan it again after a restart.
         self._plans: dict[str, FaultPlan] = {}
-        #: Files the current engine's processes hold (shared memory, vLLM's file store),
-        #: removed once they are reaped.
+        #: Files the current engine's processes hold in shared memory, and its temporary
+        #: folder: removed once they are reaped.
         self.leftovers: set[str] = set()
         self._leftovers_file = leftovers_file
 
@@ -78,8 +80,11 @@ class EngineSession:
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
         started = time.monotonic()
+        tmp_dir = tempfile.mkdtemp(prefix="ftkit-engine-")
+        self._note_leftovers([tmp_dir])
         try:
-            with engine_environment(self.spec.tensor_parallel_size, self.multiprocess):
+            with engine_environment(self.spec.tensor_parallel_size, self.multiprocess,
+                                    tmp_dir):
                 self.llm = LLM(**engine_args(self.spec, self.recovery))
         except Exception as exc:
             self._track_children(me, before)
@@ -92,9 +97,12 @@ class EngineSession:
         self.start_s = time.monotonic() - started
         return self
 
-    def _note_leftovers(self) -> None:
-        found = procs.shared_memory_files(p for p in self._procs if procs.alive(p))
-        new = (found | file_stores_of(found)) - self.leftovers
+    def _note_leftovers(self, paths: Iterable[str] | None = None) -> None:
+        """Note ``paths`` (default: what the engine's processes hold in shared memory) to
+        remove once they are reaped."""
+        if paths is None:
+            paths = procs.shared_memory_files(p for p in self._procs if procs.alive(p))
+        new = set(paths) - self.leftovers
         self.leftovers |= new
         if new and self._leftovers_file is not None:
             with open(self._leftovers_file, "a") as out:

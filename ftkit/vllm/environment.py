@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -13,10 +15,6 @@ import psutil
 
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.scenario.model import EngineSpec
-
-#: How vLLM names the file store of a CPU engine's distributed group (and, after it, the
-#: group's shared memory segments).
-_FILE_STORE_PREFIX = "vllm_dist_"
 
 #: Engine arguments ftkit sets unless the scenario's ``engine.args`` says otherwise.
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {
@@ -52,11 +50,24 @@ def engine_args(spec: EngineSpec, recovery: RecoveryConfig | None) -> dict[str, 
 
 
 @contextmanager
-def engine_environment(tp: int, multiprocess: bool) -> Iterator[None]:
+def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None
+                       ) -> Iterator[None]:
     """The environment (and CPU affinity) an engine of ``tp`` ranks starts in; restored
-    afterwards."""
+    afterwards.
+
+    ``tmp_dir``: the engine's own temporary folder. vLLM leaves files in the temporary folder
+    that nothing removes when its processes are killed (the file store of its distributed
+    group, ``vllm_dist_<hex>``, one per engine); with this, they go into a folder its owner
+    removes whole. The compiled-kernel cache of torch's inductor stays where it was, shared
+    by every engine."""
     saved = {k: os.environ.get(k) for k in [*ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING",
-                                             "VLLM_CPU_OMP_THREADS_BIND"]}
+                                             "VLLM_CPU_OMP_THREADS_BIND", "TMPDIR",
+                                             "TORCHINDUCTOR_CACHE_DIR"]}
+    saved_tempdir = tempfile.tempdir
+    if tmp_dir is not None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+        os.environ["TMPDIR"] = tmp_dir  # the engine's processes (spawned) read it
+        tempfile.tempdir = tmp_dir  # an in-process engine's executor, in this process
     os.environ.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     me = psutil.Process()
@@ -78,6 +89,7 @@ def engine_environment(tp: int, multiprocess: bool) -> Iterator[None]:
     try:
         yield
     finally:
+        tempfile.tempdir = saved_tempdir
         me.cpu_affinity(affinity)
         for k, v in saved.items():
             if v is None:
@@ -86,15 +98,12 @@ def engine_environment(tp: int, multiprocess: bool) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def file_stores_of(segments: Iterable[str]) -> set[str]:
-    """vLLM's file stores of the distributed groups whose CPU communicator segments are
-    ``segments``: vLLM's CPU worker names each segment after its group's file store
-    (``<temp dir>/vllm_dist_<hex>``, from ``get_file_store_init_method``) and never removes
-    that file."""
-    stores = set()
-    for segment in segments:
-        name = os.path.basename(segment)
-        if name.startswith(_FILE_STORE_PREFIX):
-            ident = name.split("-", 1)[0]
-            stores.add(os.path.join(tempfile.gettempdir(), ident))
-    return stores
+def _inductor_cache_dir() -> str:
+    """Where torch's inductor keeps compiled kernels by default (its ``default_cache_dir``):
+    ``torchinductor_<user>`` in the temporary folder."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(),
+                        "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))

@@ -73,14 +73,14 @@ def tagged_processes(tag: str) -> list[int]:
 
 
 def leftover_files() -> set[str]:
-    """What ftkit's engines and hosts could leave: shared memory segments, the hosts'
-    folders and vLLM's file stores in the temporary folder (the suite runs one test at a
-    time, so anything new is this test's)."""
+    """What ftkit's engines and hosts could leave: shared memory segments, the hosts' and
+    engines' folders and vLLM's file stores in the temporary folder (the suite runs one test
+    at a time, so anything new is this test's)."""
     shm = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm")} if os.path.isdir("/dev/shm") \
         else set()
     tmp = tempfile.gettempdir()
     return shm | {os.path.join(tmp, n) for n in os.listdir(tmp)
-                  if n.startswith(("ftkit-host-", "vllm_dist_"))}
+                  if n.startswith(("ftkit-host-", "ftkit-engine-", "vllm_dist_"))}
 
 
 def run_ftkit(args: list[str], cache_dir: Path, timeout: float = 600):

@@ -34,10 +34,13 @@ def test_killed_worker_is_resumed_token_for_token(tiny_model, baseline, tmp_path
     engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
                            recovery=recovery_config(str(tmp_path)))
     with engine:
-        # The CPU communicator's segments of both ranks, and vLLM's file store of the group.
+        # The CPU communicator's segments of both ranks, and the engine's temporary folder,
+        # which holds vLLM's file store of the group.
         first_engine = set(engine.leftovers)
         assert sum("cpushm" in p for p in first_engine) >= 2
-        assert any(os.path.dirname(p) == tempfile.gettempdir() for p in first_engine)
+        [tmp_dir] = [p for p in first_engine if os.path.isdir(p)]
+        assert os.path.dirname(tmp_dir) == tempfile.gettempdir()
+        assert any(n.startswith("vllm_dist_") for n in os.listdir(tmp_dir))
         run_id = engine.new_run_id()
         engine.set_fault_plan(FaultPlan.from_specs(
             run_id, [fault("process_kill", 1, 1, 17, "forward")]))
