@@ -8,8 +8,9 @@ The rules, in order: exactly one prompt source, ``min_words <= max_words``; for 
 its kind is implemented, its rank exists, its request exists, its token is computed
 (``< max_tokens``), its ``params`` fit its kind (``ftkit.scenario.params``), and its kind's own
 rules (``KindSpec.rules`` in ``ftkit.kinds``: a link fault has a peer, a flap repeats, a process
-is killed once, a KV UCE hits a request that holds KV, ...); and an expected recovery is
-possible (recovery enabled and ``times <= max_reinference``).
+is killed once, a KV UCE hits a request that holds KV, ...); an expected recovery is possible
+(recovery enabled and ``times <= max_reinference``); and expected identical tokens can be
+reproduced (random sampling has a seed).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def problems(scenario: Scenario) -> list[Problem]:
     for index, fault in enumerate(scenario.faults):
         found += _fault_problems(scenario, ("faults", index), fault)
     found += _expectation_problems(scenario)
+    found += _reproducibility_problems(scenario)
     return found
 
 
@@ -114,3 +116,17 @@ def _expectation_problems(scenario: Scenario) -> list[Problem]:
         for index, fault in enumerate(scenario.faults)
         if fault.times > allowed
     ]
+
+
+def _reproducibility_problems(scenario: Scenario) -> list[Problem]:
+    # Unseeded random sampling draws from the engine's own generator, whose state depends on
+    # everything that engine ran before: no two runs (the fault-free one, the faulted one)
+    # draw the same tokens, and the verdict would be decided by chance.
+    workload = scenario.workload
+    if workload.temperature == 0 or workload.seed is not None \
+            or scenario.expect.tokens != "identical":
+        return []
+    return [(("workload", "seed"),
+             f"temperature {workload.temperature:g} without a seed draws different tokens on "
+             f"every run, so they cannot be identical to the fault-free run: give "
+             f"workload.seed, or expect tokens 'prefix'")]

@@ -341,7 +341,8 @@ def test_block_size_is_a_positive_multiple_of_16(tmp_path, block_size, ok):
     ("top_p", "1.01", False), ("temperature", ".nan", False),
 ])
 def test_sampling_bounds(tmp_path, key, value, ok):
-    path = write(tmp_path, insert_after(BASE, 7, f"  {key}: {value}"))
+    seeded = "\n  seed: 1" if key == "temperature" else ""  # random sampling needs a seed
+    path = write(tmp_path, insert_after(BASE, 7, f"  {key}: {value}{seeded}"))
     if ok:
         load_scenario(path)
     else:
@@ -564,6 +565,25 @@ def _golden_prompts() -> list[str]:
 def test_scenario_prompts_generated_from_random_prompts():
     scenario = load_scenario(DATA / "good" / "random_prompts.yaml")
     assert scenario.prompts() == random_prompts(6, 3, 9, seed=7)
+
+
+@pytest.mark.parametrize("lines, ok", [
+    ("  temperature: 0.8", False),                 # unseeded: no two runs draw alike
+    ("  temperature: 0.8\n  seed: 3", True),
+    ("  temperature: 0", True),                    # greedy needs no seed
+])
+def test_unseeded_random_sampling_cannot_expect_identical_tokens(tmp_path, lines, ok):
+    path = write(tmp_path, insert_after(BASE, 7, lines))
+    if ok:
+        load_scenario(path)
+    else:
+        with pytest.raises(ScenarioError) as raised:
+            load_scenario(path)
+        assert "workload.seed" in str(raised.value) and "prefix" in str(raised.value)
+        assert where(path) == [(4, "workload.seed")]  # the workload line: seed is absent
+        # Expecting only the tokens before the fault is allowed.
+        load_scenario(write(tmp_path, insert_after(BASE, 7, lines) + "  tokens: prefix\n",
+                            "prefix.yaml"))
 
 
 def test_cache_keys_are_json_and_hold_the_concrete_prompts():
