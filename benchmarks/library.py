@@ -37,12 +37,14 @@ _STARTED = re.compile(r"engine started in ([0-9.]+) s")
 
 
 def run_library(cache_dir: str, label: str, scenarios: str = "scenarios") -> dict[str, Any]:
-    report = Path(tempfile.mkdtemp(prefix="ftkit-bench-lib-")) / "report.json"
     env = {**os.environ, "FTKIT_CACHE_DIR": cache_dir, "COLUMNS": "200"}
-    cmd = [str(REPO / ".venv" / "bin" / "ftkit"), "run", scenarios, "-v", "--json", str(report)]
-    lines, started, rc = _run_stamped(cmd, env)
-    ended = time.monotonic() - started
-    data = json.loads(report.read_text()) if report.is_file() else {"scenarios": []}
+    with tempfile.TemporaryDirectory(prefix="ftkit-bench-lib-") as folder:
+        report = Path(folder) / "report.json"
+        cmd = [str(REPO / ".venv" / "bin" / "ftkit"), "run", scenarios, "-v", "--json",
+               str(report)]
+        lines, started, rc = _run_stamped(cmd, env)
+        ended = time.monotonic() - started
+        data = json.loads(report.read_text()) if report.is_file() else {"scenarios": []}
     scenario_s = sum(s["duration_s"] for s in data["scenarios"])
     engine_starts = [float(m.group(1)) for _, line in lines if (m := _STARTED.search(line))]
     first_event = next((t for t, line in lines if "engine_" in line or "baseline" in line),
@@ -103,10 +105,11 @@ def _run_stamped(cmd: list[str], env: dict[str, str]) -> tuple[list[tuple[float,
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    cache = tempfile.mkdtemp(prefix="ftkit-bench-cache-")
     # Quick mode runs one small scenario only; the library as a whole is the full run's job.
     target = "scenarios/link_break.yaml" if quick else "scenarios"
-    runs = [run_library(cache, "empty cache", target), run_library(cache, "warm cache", target)]
+    with tempfile.TemporaryDirectory(prefix="ftkit-bench-cache-") as cache:
+        runs = [run_library(cache, "empty cache", target),
+                run_library(cache, "warm cache", target)]
     return {"target": target, "runs": runs}
 
 

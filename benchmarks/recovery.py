@@ -110,7 +110,12 @@ def fault_plan(case: Case, count: int, tp: int) -> list[FaultSpec]:
 
 def measure_tp(tp: int, plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Every in-place case at ``tp`` on one engine, then (at ``plan.kill_tp``) the kills."""
-    event_log = tempfile.mkdtemp(prefix="ftkit-bench-event-log-")
+    with tempfile.TemporaryDirectory(prefix="ftkit-bench-event-log-") as event_log:
+        return _measure_tp(tp, plan, event_log)
+
+
+def _measure_tp(tp: int, plan: Plan, event_log: str
+                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     session = EngineSession(EngineSpec(model=tiny_model(), tensor_parallel_size=tp),
                             multiprocess=True,
                             recovery=RecoveryConfig(enabled=True, event_log_dir=event_log))

@@ -226,7 +226,7 @@ class RecoveryMonitor:
     def _claim_pending(self) -> bool:
         """(Lock held.) Take the round announced to a step that has ended since (its end did
         not see the announcement, or has not taken the lock to run it yet)."""
-        if self._in_step or not self._claim():
+        if not self._claim():
             return False
         self._pending = None
         return True

@@ -103,10 +103,7 @@ class StepWrapper:
         monitor = self.monitor
         epoch = monitor.enter_step(rpc, _EXECUTE, step)
         if epoch != self._layout_epoch:
-            # A round happened since this rank last laid out its batch: every rank rebuilds
-            # it from the request states, so that all lay it out alike.
-            state.reset_batch()
-            self._layout_epoch = epoch
+            self._lay_out_afresh(epoch)
         try:
             for hook in self._attempt_hooks:
                 hook.on_attempt(_EXECUTE, step, 0, scheduler_output)
@@ -140,6 +137,12 @@ class StepWrapper:
         if joined is not None:
             self._check_joined(joined)
         return out
+
+    def _lay_out_afresh(self, epoch: int) -> None:
+        """A round happened since this rank last laid out its batch: every rank rebuilds it
+        from the request states, so that all lay it out alike."""
+        self.state.reset_batch()
+        self._layout_epoch = epoch
 
     def _check_joined(self, joined: Any) -> None:
         """After an attempt that returned: the round it joined (a peer's fault) must have
@@ -175,8 +178,7 @@ class StepWrapper:
             rollback_s = rerun_from - rollback_started
             epoch = monitor.enter_step(self.rpc, rpc_kind, self.step)
             if execute and epoch != self._layout_epoch:
-                state.reset_batch()
-                self._layout_epoch = epoch
+                self._lay_out_afresh(epoch)
             try:
                 for hook in self._attempt_hooks:
                     hook.on_attempt(rpc_kind, self.step, failures, arg)

@@ -184,7 +184,7 @@ class HostClient:
             # (killed above, or died): every process that used it is gone now.
             listed = self.work / LEFTOVERS_FILE
             if listed.is_file():
-                procs.remove_files(listed.read_text().split())
+                procs.remove_files(listed.read_text().splitlines())
             shutil.rmtree(self.work, ignore_errors=True)
 
     def _note_descendants(self) -> None:

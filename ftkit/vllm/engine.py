@@ -257,10 +257,12 @@ class EngineSession:
         self._dying += procs.kill(self._procs)
         self._procs = []
         dead_engines, self.leftovers = self.leftovers, set()
-        self.start()
-        procs.reap(self._dying, REAP_GRACE_S)
-        self._dying = []
-        procs.remove_files(dead_engines - self.leftovers)
+        try:
+            self.start()
+        finally:  # also when the new engine fails to start (``start`` closed it)
+            procs.reap(self._dying, REAP_GRACE_S)
+            self._dying = []
+            procs.remove_files(dead_engines - self.leftovers)
         restart_s = time.monotonic() - died
         plan = self._plans.get(work.run_id)
         if plan is not None:

@@ -91,6 +91,18 @@ def _hide_key_from_vllm_ascend() -> None:
             namespace["init_ascend_config"] = init_ascend_config
 
 
+#: The worker's methods of one engine step that ftkit wraps.
+STEP_METHODS = ("execute_model", "sample_tokens")
+
+
+def bind_step_method(worker: Any, name: str, wrapper: Any, inner: Any) -> None:
+    """Make ``worker.<name>(arg)`` call ``wrapper(inner, arg)`` (``inner``: the worker's own
+    method), marked as ftkit's."""
+    wrapped = functools.partial(wrapper, inner)
+    setattr(wrapped, WRAPPED_MARK, True)
+    setattr(worker, name, wrapped)
+
+
 def install(worker: Any, vllm_config: Any) -> Any | None:
     """Wrap ``worker``'s step methods if the config asks for ftkit; return the wrapper."""
     raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
@@ -101,11 +113,8 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
 
     ftkit_worker = FtkitWorker(worker, vllm_config, config)
     worker._ftkit = ftkit_worker
-    for name in ("execute_model", "sample_tokens"):
-        inner = getattr(worker, name)
-        wrapped = functools.partial(getattr(ftkit_worker, name), inner)
-        setattr(wrapped, WRAPPED_MARK, True)
-        setattr(worker, name, wrapped)
+    for name in STEP_METHODS:
+        bind_step_method(worker, name, getattr(ftkit_worker, name), getattr(worker, name))
     # Reached by name through collective_rpc (a callable would need insecure pickling), with
     # one argument: the plan as JSON (``FaultPlan.to_json``).
     worker.ftkit_set_fault_plan = ftkit_worker.set_fault_plan

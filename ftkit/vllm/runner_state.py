@@ -157,8 +157,9 @@ class V1RunnerState:
         resumed = cached.resumed_req_ids
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
             # A resumed request's block ids are replaced wholesale (by the re-run too).
-            state = requests.get(req_id) if new_block_ids is not None \
-                and req_id not in resumed else None
+            if new_block_ids is None or req_id in resumed:
+                continue
+            state = requests.get(req_id)
             if state is None:
                 continue
             for ids, added in zip(state.block_ids, new_block_ids):

@@ -31,7 +31,7 @@ from ftkit.recovery import (
 )
 from ftkit.vllm.kv_recompute import RecomputeReport
 from ftkit.vllm.memory import RunnerMemory
-from ftkit.vllm.plugin import WRAPPED_MARK
+from ftkit.vllm.plugin import STEP_METHODS, bind_step_method
 from ftkit.vllm.runner_state import V1RunnerState
 
 log = logging.getLogger("ftkit")
@@ -104,12 +104,10 @@ class FtkitWorker:
         if self.step_wrapper is None:
             self.step_wrapper = wrapper = self._build()
             worker = self.worker
-            for name in ("execute_model", "sample_tokens"):
+            for name in STEP_METHODS:
                 entry = getattr(worker, name)
                 if isinstance(entry, functools.partial) and entry.func == getattr(self, name):
-                    rebound = functools.partial(getattr(wrapper, name), *entry.args)
-                    setattr(rebound, WRAPPED_MARK, True)
-                    setattr(worker, name, rebound)
+                    bind_step_method(worker, name, getattr(wrapper, name), *entry.args)
         return self.step_wrapper
 
     def _build(self) -> StepWrapper:
