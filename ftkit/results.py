@@ -15,14 +15,40 @@ if TYPE_CHECKING:
     from ftkit.contracts.job import EngineRestart
 
 
+#: One position's top logprobs: ``[token id, logprob]`` pairs (lists, as JSON keeps them), in
+#: vLLM's order (the sampled token first, then by rank).
+PositionLogprobs = list[list[Any]]
+
+
 @dataclass
 class RequestOutput:
-    """One request's generated tokens, in order, with the time each arrived."""
+    """One completion of one request: its tokens, in order, with the time each arrived, and
+    what the oracle compares besides them.
+
+    ``sample`` tells the completions of a request with ``n > 1`` apart (vLLM's
+    ``CompletionOutput.index``). ``logprobs`` holds the sampled token's logprob at each
+    position (ftkit always asks vLLM for it); ``top_logprobs`` the top-k of each position when
+    the request asks for ``logprobs: k > 0``; ``prompt_logprobs`` those of each prompt
+    position when it asks for ``prompt_logprobs`` (the first position has none: ``None``).
+    ``text`` is the finished text (vLLM's detokenized output), ``None`` until it finished.
+    """
 
     index: int
     token_ids: list[int]
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    sample: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    text: str | None = None
+    #: vLLM's ``stop_reason``: the stop string or token id that ended it, if one did.
+    stop_reason: int | str | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(request, sample): what identifies a completion in a run."""
+        return (self.index, self.sample)
 
 
 @dataclass

@@ -25,8 +25,9 @@ from ftkit.errors import EngineError
 from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
 
-#: The version of the job's, the result's and the host lines' JSON form.
-VERSION = 1
+#: The version of the job's, the result's and the host lines' JSON form (2: sampling
+#: fields beyond v1 and per-request overrides; logprobs, text and samples in the outputs).
+VERSION = 2
 
 
 def _check_version(raw: dict[str, Any], what: str) -> dict[str, Any]:
@@ -37,12 +38,50 @@ def _check_version(raw: dict[str, Any], what: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """How every request of a workload is sampled (``seed``: request *i* uses ``seed + i``)."""
+    """How the requests of a workload are sampled.
+
+    ``max_tokens``, ``temperature``, ``top_p`` and ``seed`` are the scenario format's v1
+    fields (``seed``: request *i* uses ``seed + i``). ``extra`` holds further fields of vLLM's
+    ``SamplingParams`` for every request, by vLLM's own names (``repetition_penalty``,
+    ``logprobs``, ``stop`` ...); ``requests`` holds, per request in order, the fields that
+    request overrides (any ``SamplingParams`` field, the four above included; a request's own
+    ``seed`` is used as given). Values are JSON types; ``for_request`` merges them.
+    """
 
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    requests: tuple[dict[str, Any], ...] = ()
+
+    def for_request(self, index: int) -> dict[str, Any]:
+        """The keyword arguments of vLLM's ``SamplingParams`` for request ``index``.
+
+        ftkit's workloads ignore the end-of-sequence token unless a field says otherwise
+        (``ignore_eos: false``), so that every request runs to its ``max_tokens``.
+        """
+        kwargs: dict[str, Any] = {"max_tokens": self.max_tokens,
+                                  "temperature": self.temperature, "top_p": self.top_p,
+                                  "ignore_eos": True}
+        if self.seed is not None:
+            kwargs["seed"] = self.seed + index
+        kwargs.update(self.extra)
+        if index < len(self.requests):
+            kwargs.update(self.requests[index])
+        return kwargs
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "seed": self.seed, "extra": dict(self.extra),
+                "requests": [dict(r) for r in self.requests]}
+
+    @classmethod
+    def from_mapping(cls, raw: dict[str, Any]) -> SamplingSpec:
+        raw = dict(raw)
+        raw["requests"] = tuple(dict(r) for r in raw.get("requests", ()))
+        raw["extra"] = dict(raw.get("extra", {}))
+        return cls(**raw)
 
 
 @dataclass(frozen=True)
@@ -81,7 +120,7 @@ class EngineJob:
         return json.dumps({
             "v": VERSION,
             "engine": self.engine.model_dump(mode="json"),
-            "sampling": dataclasses.asdict(self.sampling),
+            "sampling": self.sampling.to_mapping(),
             "prompts": list(self.prompts),
             "recovery": None if self.recovery is None else self.recovery.to_mapping(),
             "plan": self.plan.to_json(),
@@ -95,7 +134,7 @@ class EngineJob:
         raw = _check_version(json.loads(text), "an engine job")
         return cls(
             engine=EngineSpec.model_validate(raw["engine"]),
-            sampling=SamplingSpec(**raw["sampling"]),
+            sampling=SamplingSpec.from_mapping(raw["sampling"]),
             prompts=tuple(raw["prompts"]),
             recovery=(None if raw["recovery"] is None
                       else RecoveryConfig.from_mapping(raw["recovery"])),

@@ -28,14 +28,20 @@ class GenerateResult:
 
 
 class Workload:
-    """The requests of one run ``run_id``, and what each has produced so far."""
+    """The requests of one run ``run_id``, and what each of their completions has produced."""
 
     def __init__(self, run_id: str, prompts: list[str], sampling: SamplingSpec,
                  submit_after_steps: list[int] | None) -> None:
         self.run_id = run_id
         self.prompts = prompts
         self.sampling = sampling
-        self.outputs = [RequestOutput(i, []) for i in range(len(prompts))]
+        #: vLLM's ``SamplingParams`` keyword arguments of each request.
+        self.request_params = [sampling.for_request(i) for i in range(len(prompts))]
+        #: One output per completion: request ``i`` has ``n`` of them (samples 0 .. n-1).
+        self.outputs = [RequestOutput(i, [], sample=j)
+                        for i, kw in enumerate(self.request_params)
+                        for j in range(int(kw.get("n") or 1))]
+        self._by_key = {o.key: o for o in self.outputs}
         self.arrivals = list(submit_after_steps or [0] * len(prompts))
         if len(self.arrivals) != len(prompts):
             raise ValueError("submit_after_steps needs one entry per prompt")
@@ -45,42 +51,70 @@ class Workload:
         #: Engine steps run for this workload, and output tokens taken (of ``total``).
         self.steps = 0
         self.done = 0
-        self.total = len(prompts) * sampling.max_tokens
+        self.total = sum(int(kw["max_tokens"]) * int(kw.get("n") or 1)
+                         for kw in self.request_params)
 
-    def params(self, index: int, max_tokens: int) -> Any:
+    def params(self, index: int, max_tokens: int | None = None) -> Any:
+        """vLLM's ``SamplingParams`` of request ``index`` (``max_tokens``: what is left of
+        it, for a resumed request). The sampled tokens' logprobs are always asked for: the
+        oracle compares them."""
         from vllm import SamplingParams
 
-        s = self.sampling
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, ignore_eos=True,
-            # One stream per request: the workload seed offset by the request index.
-            seed=None if s.seed is None else s.seed + index)
+        kwargs = dict(self.request_params[index])
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        if kwargs.get("logprobs") is None:
+            kwargs["logprobs"] = 0
+        return SamplingParams(**kwargs)
 
     def submit_due(self, engine: Any) -> None:
         """Submit the requests whose arrival step has come (or all, if the engine idles)."""
         while self.waiting and (self.arrivals[self.waiting[0]] <= self.steps
                                 or not engine.has_unfinished_requests()):
             i = self.waiting.pop(0)
-            engine.add_request(request_id(self.run_id, i), self.prompts[i],
-                               self.params(i, self.sampling.max_tokens))
+            engine.add_request(request_id(self.run_id, i), self.prompts[i], self.params(i))
 
     def take(self, out: Any, now: float) -> None:
         """Take one request output of an engine step (``now``: seconds since submission)."""
         ref = parse_request_id(out.request_id)
         if ref is None or ref.run_id != self.run_id:
             return
-        req = self.outputs[ref.index]
         if ref.offset == 0 and out.prompt_token_ids is not None:
             self.prompt_token_ids.setdefault(ref.index, list(out.prompt_token_ids))
-        completion = out.outputs[0]
-        # A resumed request counts its tokens from where it resumed.
-        new = list(completion.token_ids[len(req.token_ids) - ref.offset:])
-        req.token_ids.extend(new)
-        req.token_times.extend([now] * len(new))
-        self.done += len(new)
-        if out.finished:
-            req.finish_reason = completion.finish_reason
+        finished = bool(out.finished)
+        for completion in out.outputs:
+            req = self._by_key[(ref.index, completion.index)]
+            if ref.offset == 0 and req.prompt_logprobs is None \
+                    and getattr(out, "prompt_logprobs", None) is not None:
+                req.prompt_logprobs = [None if p is None else _position(p)
+                                       for p in out.prompt_logprobs]
+            # A resumed request counts its tokens from where it resumed.
+            start = len(req.token_ids) - ref.offset
+            new = list(completion.token_ids[start:])
+            req.token_ids.extend(new)
+            req.token_times.extend([now] * len(new))
+            self._take_logprobs(req, completion.logprobs, start, len(new))
+            self.done += len(new)
+            if finished or completion.finish_reason is not None:
+                req.finish_reason = completion.finish_reason
+                req.stop_reason = completion.stop_reason
+                req.text = completion.text
+        if finished:
             self.finished.add(ref.index)
+
+    def _take_logprobs(self, req: RequestOutput, logprobs: Any, start: int, count: int) -> None:
+        if logprobs is None or count == 0:
+            return
+        wanted = int(self.request_params[req.index].get("logprobs") or 0)
+        positions = [_position(p) for p in logprobs[start:start + count]]
+        sampled = req.token_ids[len(req.token_ids) - count:]
+        if req.logprobs is None:
+            req.logprobs = []
+        req.logprobs.extend(_logprob_of(p, token) for p, token in zip(positions, sampled))
+        if wanted > 0:
+            if req.top_logprobs is None:
+                req.top_logprobs = []
+            req.top_logprobs.extend(positions)
 
     def resume(self, engine: Any) -> list[int]:
         """Submit every started, unfinished request again from where it stopped; return
@@ -89,22 +123,39 @@ class Workload:
 
         resumed = []
         waiting = set(self.waiting)
-        for req in self.outputs:
-            i = req.index
+        for i in range(len(self.prompts)):
             if i in self.finished or i in waiting:
                 continue
+            if len([o for o in self.outputs if o.index == i]) > 1:
+                from ftkit.errors import EngineError
+
+                raise EngineError(f"ftkit cannot resume request {i}: it samples n > 1 "
+                                  "completions, which a resumed request does not continue yet")
+            req = self._by_key[(i, 0)]
             produced = len(req.token_ids)
-            left = self.sampling.max_tokens - produced
+            left = int(self.request_params[i]["max_tokens"]) - produced
             if left <= 0:
                 self.finished.add(i)
                 continue
             prompt_ids = self.prompt_token_ids.get(i)
             if produced == 0 or prompt_ids is None:
-                engine.add_request(request_id(self.run_id, i), self.prompts[i],
-                                   self.params(i, self.sampling.max_tokens))
+                engine.add_request(request_id(self.run_id, i), self.prompts[i], self.params(i))
             else:
                 prompt = TokensPrompt(prompt_token_ids=prompt_ids + req.token_ids)
                 engine.add_request(request_id(self.run_id, i, offset=produced), prompt,
                                    self.params(i, left))
             resumed.append(i)
         return resumed
+
+
+def _position(logprobs: Any) -> list[list[Any]]:
+    """One position's ``{token id: Logprob}`` as ``[token id, logprob]`` pairs, in vLLM's
+    order."""
+    return [[int(token), float(lp.logprob)] for token, lp in logprobs.items()]
+
+
+def _logprob_of(position: list[list[Any]], token: int) -> float:
+    for tok, logprob in position:
+        if tok == token:
+            return logprob
+    raise ValueError(f"vLLM returned no logprob for the sampled token {token}")
