@@ -3,7 +3,8 @@
 The scenario runner (through the engine session) submits request ``index`` of run ``run_id``
 as ``ftkit:<run_id>:<index>``, and a request resumed after ``offset`` output tokens as
 ``ftkit:<run_id>:<index>+<offset>``; vLLM appends a random suffix (``-...``) to the id it uses
-internally. The injector in every worker finds a fault's request by this id.
+internally, and gives each completion of a request with ``n > 1`` a child request of its own,
+``<sample>_<id>``. The injector in every worker finds a fault's request by this id.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 REQUEST_ID = "ftkit:{run_id}:{index}"
 _REQUEST_ID_RE = re.compile(
-    r"^ftkit:(?P<run>[A-Za-z0-9_.]+):(?P<index>\d+)(?:\+(?P<offset>\d+))?(?:-|$)")
+    r"^(?:(?P<sample>\d+)_)?ftkit:(?P<run>[A-Za-z0-9_.]+):(?P<index>\d+)(?:\+(?P<offset>\d+))?(?:-|$)")
 
 
 class RequestRef(NamedTuple):
@@ -22,6 +23,8 @@ class RequestRef(NamedTuple):
     index: int
     #: Output tokens the request had produced before it was resumed (0: not resumed).
     offset: int = 0
+    #: The completion, for a child request of a request with ``n > 1`` (0 otherwise).
+    sample: int = 0
 
 
 def request_id(run_id: str, index: int, offset: int = 0) -> str:
@@ -33,11 +36,18 @@ def parse_request_id(req_id: str) -> RequestRef | None:
     m = _REQUEST_ID_RE.match(req_id)
     if not m:
         return None
-    return RequestRef(m.group("run"), int(m.group("index")), int(m.group("offset") or 0))
+    return RequestRef(m.group("run"), int(m.group("index")), int(m.group("offset") or 0),
+                      int(m.group("sample") or 0))
 
 
 def request_matcher(run_id: str, index: int) -> Callable[[str], bool]:
     """A test for the ids vLLM uses for request ``index`` of run ``run_id``: resumed or not,
-    with or without vLLM's suffix."""
+    with or without vLLM's suffix, any of its completions."""
     prefix = request_id(run_id, index)
-    return lambda rid: rid == prefix or rid.startswith((prefix + "-", prefix + "+"))
+
+    def matches(rid: str) -> bool:
+        if rid[:1].isdigit():  # a child request: <sample>_<id>
+            rid = rid.partition("_")[2]
+        return rid == prefix or rid.startswith((prefix + "-", prefix + "+"))
+
+    return matches
