@@ -121,6 +121,12 @@ def classify(exc: BaseException) -> FaultKind | None:
     return None
 
 
+class CollectiveDesync(RuntimeError):
+    """The ranks reached the same collective of a group with different collectives (another
+    operation, dtype or size): their collective sequences diverged. Not a transient fault:
+    a recovery round that sees it decides to raise, and nothing is combined."""
+
+
 def is_peer_stop(exc: BaseException) -> bool:
     """True when the exception only says that a peer's fault stopped this rank."""
     return isinstance(exc, CommunicationStopped)

@@ -7,7 +7,11 @@ spins on its peer's sequence counter, reads the stop flag on every turn, and aba
 collective when its monitor stops it.
 
 Layout of one segment (one group, one generation): a 64-byte header line per rank holding its
-sequence number, then two data slots per rank (alternating by sequence parity). A rank writes
+sequence number and, per sequence parity, what its collective of that sequence is (operation,
+dtype, bytes), then two data slots per rank (alternating by sequence parity). Before it reads
+its peers' data, a rank checks that every peer's collective of the same sequence is the same
+one as its own: a mismatch (the ranks issue different collectives: a desynchronised re-run)
+raises ``CollectiveDesync`` instead of summing unrelated data. A rank writes
 sequence ``s`` only after every peer reached ``s - 1``, so no slot is overwritten while a peer
 may still read it. Reductions sum the ranks' contributions in rank order, in float32 for half
 types, so every rank computes bit-identical results.
@@ -35,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ftkit.faults import CommunicationStopped, OperatorTimeout
+from ftkit.faults import CollectiveDesync, CommunicationStopped, OperatorTimeout
 
 #: Bytes a rank may contribute to one collective; larger messages take the gloo path.
 SLOT_BYTES = 4 << 20
@@ -44,6 +48,26 @@ _SHM_DIR = Path("/dev/shm")
 _MAX_CACHED_VIEWS = 4096
 #: After this many fruitless turns a waiting rank yields its core on every turn.
 _SPINS_BEFORE_YIELD = 2000
+#: Collective codes in a header's descriptor (bits 56-63), the dtype's code in bits 48-55, the
+#: bytes a rank contributes in bits 0-47.
+_OPS = {"all_reduce": 1, "gather": 2, "all_gather": 3}
+_OP_NAMES = {code: name for name, code in _OPS.items()}
+_DTYPES = {dtype: code for code, dtype in enumerate(
+    (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+     torch.int16, torch.int8, torch.uint8, torch.bool), start=1)}
+_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in _DTYPES.items()}
+
+
+def describe(op: str, tensor: torch.Tensor) -> int:
+    """One collective's descriptor: the operation, the dtype and the bytes contributed."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return (_OPS[op] << 56) | (_DTYPES.get(tensor.dtype, 0) << 48) | nbytes
+
+
+def _explain(descriptor: int) -> str:
+    op = _OP_NAMES.get(descriptor >> 56, "unknown")
+    dtype = _DTYPE_NAMES.get((descriptor >> 48) & 0xFF, "other")
+    return f"an {op} of {descriptor & ((1 << 48) - 1)} bytes ({dtype})"
 
 
 def available() -> bool:
@@ -73,7 +97,11 @@ class ShmGroup:
         finally:
             os.close(fd)
         header = np.frombuffer(self._map, dtype=np.int64, count=world * _HEADER_LINE // 8)
-        self._seqs = header[:: _HEADER_LINE // 8]  # one counter per header line
+        line = _HEADER_LINE // 8
+        self._seqs = header[::line]  # one counter per header line
+        # Each rank's descriptor of its collective, per sequence parity (the next sequence
+        # may be written while a peer still checks this one).
+        self._descriptors = (header[1::line], header[2::line])
         self._data = torch.frombuffer(self._map, dtype=torch.uint8,
                                       offset=world * _HEADER_LINE)
         self._fence = threading.Lock()
@@ -123,21 +151,34 @@ class ShmGroup:
                     raise OperatorTimeout(f"rank {self.rank}: shared-memory collective timed "
                                           f"out after {bound:g} s: a peer never joined")
 
-    def _publish(self, tensor: torch.Tensor) -> int:
+    def _publish(self, tensor: torch.Tensor, descriptor: int) -> int:
         seq = self.seq + 1
         self._wait(seq - 1, self._peers)  # every peer is done reading this slot's last use
         self._slot(self.rank, seq, tensor).copy_(tensor)
-        with self._fence:  # data before sequence number
+        self._descriptors[seq % 2][self.rank] = descriptor
+        with self._fence:  # data and descriptor before sequence number
             pass
         self._seqs[self.rank] = seq
         self.seq = seq
         return seq
 
+    def _check_same(self, seq: int, descriptor: int) -> None:
+        """After every peer reached ``seq``: each one's collective must be this rank's."""
+        theirs = self._descriptors[seq % 2]
+        for r in self._peers:
+            if theirs[r] != descriptor:
+                raise CollectiveDesync(
+                    f"rank {self.rank}: collective {seq} of the shared-memory group is "
+                    f"{_explain(descriptor)} here but {_explain(int(theirs[r]))} on rank "
+                    f"{r}: the ranks are out of step; nothing was combined")
+
     # --- collectives ----------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        seq = self._publish(tensor)
+        descriptor = describe("all_reduce", tensor)
+        seq = self._publish(tensor, descriptor)
         self._wait(seq, self._all)
+        self._check_same(seq, descriptor)
         # The contributions are summed in rank order, so every rank computes the same bits.
         if tensor.dtype in (torch.float16, torch.bfloat16):
             acc = self._slot(0, seq, tensor).to(dtype=torch.float32)
@@ -151,16 +192,20 @@ class ShmGroup:
                 tensor.add_(self._slot(r, seq, tensor))
 
     def gather(self, tensor: torch.Tensor, gather_list, dst: int) -> None:
-        seq = self._publish(tensor)
+        descriptor = describe("gather", tensor)
+        seq = self._publish(tensor, descriptor)
         if self.rank != dst:
             return
         self._wait(seq, self._all)
+        self._check_same(seq, descriptor)
         for r in range(self.world):
             gather_list[r].copy_(self._slot(r, seq, tensor))
 
     def all_gather_into_tensor(self, output: torch.Tensor, input_: torch.Tensor) -> None:
-        seq = self._publish(input_)
+        descriptor = describe("all_gather", input_)
+        seq = self._publish(input_, descriptor)
         self._wait(seq, self._all)
+        self._check_same(seq, descriptor)
         chunks = output.view(self.world, -1)
         for r in range(self.world):
             chunks[r].copy_(self._slot(r, seq, input_).reshape(-1))

@@ -93,3 +93,57 @@ def test_oversized_messages_do_not_fit():
     group.fits = shm.ShmGroup.fits.__get__(group)
     assert group.fits(torch.empty(shm.SLOT_BYTES // 4))
     assert not group.fits(torch.empty(shm.SLOT_BYTES // 4 + 1))
+
+
+def _desync_rank(rank: int, world: int, port: int, outdir: str, check: bool) -> None:
+    """Rank 0 all-reduces 4 floats while rank 1 all-reduces 8, then rank 0 all-reduces while
+    rank 1 all-gathers: collectives that do not match."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    store = dist.distributed_c10d._get_default_store().clone()
+    group = shm.rendezvous(store, "d", rank, world, stopped=lambda: False, timeout_s=30)
+    if not check:  # crippled: the transport as it was, without the descriptors' check
+        group._check_same = lambda seq, descriptor: None
+    result = {}
+    for name, mine in (("size", torch.full((4 if rank == 0 else 8,), float(rank + 1))),
+                       ("operation", torch.full((4,), float(rank + 1)))):
+        try:
+            if name == "operation" and rank == 1:
+                group.all_gather_into_tensor(torch.empty(8), mine)
+            else:
+                group.all_reduce(mine)
+            result[name] = mine.tolist()
+        except Exception as exc:  # noqa: BLE001 - the test looks at what it was
+            result[name] = f"{type(exc).__name__}: {exc}"
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "crippled"])
+def test_mismatched_collectives_raise_a_desync_and_combine_nothing(tmp_path, check):
+    ctx = mp.start_processes(_desync_rank, args=(2, free_port(), str(tmp_path), check),
+                             nprocs=2, join=False, start_method="spawn")
+    try:
+        deadline = time.monotonic() + 90
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "ranks did not finish"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    if check:
+        # Both sides see it, say what each side issued, and keep their own data untouched.
+        assert r0["size"].startswith("CollectiveDesync: rank 0: collective 1 ")
+        assert "an all_reduce of 16 bytes (float32) here but an all_reduce of 32 bytes" \
+            in r0["size"]
+        assert r1["size"].startswith("CollectiveDesync: rank 1: collective 1 ")
+        assert "an all_reduce of 16 bytes (float32) here but an all_gather of 16 bytes" \
+            in r0["operation"]
+        assert "all_gather" in r1["operation"] and "CollectiveDesync" in r1["operation"]
+    else:
+        # Without the check rank 0 silently sums the first half of rank 1's 8 floats.
+        assert r0["size"] == [3.0] * 4
+        assert r0["operation"] == [3.0] * 4
