@@ -178,7 +178,8 @@ def test_a_resumed_request_counts_its_tokens_from_where_it_resumed():
     inj.set_plan(plan(spec("oom", token=5, phase="before")))
     with pytest.raises(torch.OutOfMemoryError):
         inj.on_attempt(RpcKind.EXECUTE, 1, 0, at_token(5, offset=3))
-    assert parse_request_id(request_id(RUN, 0, 3) + "-x") == (RUN, 0, 3)
+    assert parse_request_id(request_id(RUN, 0, 3) + "-x") == (RUN, 0, 3, 0)
+    assert parse_request_id("1_" + request_id(RUN, 0, 3) + "-x") == (RUN, 0, 3, 1)
 
 
 def test_requests_of_another_run_are_not_targeted():
