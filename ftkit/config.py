@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ftkit.bounds import DEFAULT_ROUND_TIMEOUT_S
+from ftkit.bounds import DEFAULT_ROUND_TIMEOUT_S, StepBound, step_bound
 from ftkit.errors import FtkitError
 
 #: The ``additional_config`` key that holds ftkit's settings.
@@ -37,7 +37,12 @@ class RecoveryConfig:
     lines, ``ftkit.contracts.eventlog``); ``None`` keeps them in memory only. (Formerly
     ``journal_dir``, still accepted.)
     ``op_timeout_s``: operators (and collectives) that run longer raise the hang error
-    instead of blocking: ``set_op_timeout_ms`` on Ascend; ``None`` keeps the backend's bound.
+    instead of blocking: ``set_op_timeout_ms`` on Ascend, the collectives' bound on CPU and
+    CUDA; ``None``: ``ftkit.bounds.DEFAULT_OP_TIMEOUT_S`` (120 s).
+
+    Every re-run of a step happens inside the step's RPC, which vLLM bounds by
+    ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``; ``step_bound()`` says how long these settings
+    may need.
     """
 
     enabled: bool = False
@@ -84,6 +89,13 @@ class RecoveryConfig:
     @classmethod
     def from_additional_config(cls, additional_config: dict[str, Any] | None) -> RecoveryConfig:
         return cls.from_mapping((additional_config or {}).get(CONFIG_KEY))
+
+    def step_bound(self) -> StepBound:
+        """How long one step RPC may take while it is recovered under these settings, at
+        worst: ``max_reinference`` failing attempts, each ended by the operator timeout and
+        followed by a round, then the attempt that succeeds."""
+        return step_bound(failing_attempts=self.max_reinference, attempt_s=self.op_timeout_s,
+                          round_timeout_s=self.round_timeout_s)
 
     def to_mapping(self) -> dict[str, Any]:
         """The ``additional_config["fault_tolerance"]`` that gives this config."""

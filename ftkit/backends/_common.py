@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 from ftkit.backends.base import Capability, CommGroup, MemoryFault
-from ftkit.faults import CommunicationStopped, LinkError, OperatorTimeout
+from ftkit.faults import CommunicationStopped, FaultKind, LinkError, OperatorTimeout
 from ftkit.bounds import COLLECTIVE_STOP_SLICE_S
 from ftkit.kinds import KIND_SPECS
 
@@ -104,6 +104,10 @@ class EmulatedFaultModel:
 
     def report_memory_fault(self, fault: MemoryFault) -> None:
         self.faults.report_memory_fault(fault)
+
+    def recorded_fault(self) -> FaultKind | None:
+        """A memory error reported on this rank and not yet cleared by a restart."""
+        return FaultKind.UCE if self.faults.memory_faults else None
 
 
 def wrap_collectives(communicator: Any, before: Callable[[str], None]) -> list[str]:

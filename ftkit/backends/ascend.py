@@ -7,7 +7,10 @@ A recovery round drives it, on every rank, as torch_npu intends these APIs to be
                                 collective raises "FORCE STOP" (``is_stop_error`` says it is
                                 a stop, not a fault of its own)
     memory_faults()             the failing rank, for a UCE: check_uce_in_memory(device) and
-                                torch_npu.npu.utils._get_uce_addr()
+                                torch_npu.npu.utils._get_uce_addr(); a rank that was stopped
+                                asks check_uce_in_memory too (``recorded_fault``): a UCE its
+                                device recorded before the stop is its own fault, repaired
+                                in the same round, before restart_device clears the record
     recover_device(kinds)       torch_npu.npu.restart_device(device, ...)
     rebuild_communicators(...)  torch.distributed.reinit_process_group(group, rebuild_link)
                                 (patched in by torch_npu): resume the HCCL communicators
@@ -40,7 +43,9 @@ What the code relies on, as read in torch_npu's source (github.com/Ascend/pytorc
   (the monitor thread runs rounds too: ftkit binds it first); with ``True`` it aborts the
   HCCL communicator of ``group`` (the default group when ``None``), which is built again at
   its next use. ftkit calls it for the default group and for each device group it took over.
-* ``torch_npu.npu.set_op_timeout_ms(timeout)`` (milliseconds) and
+* ``torch_npu.npu.set_op_timeout_ms(timeout)`` (milliseconds; its documentation names no
+  default, and CANN's own is far longer than vLLM's bound on a step): ftkit always sets one,
+  ``fault_tolerance.op_timeout_s`` or ``ftkit.bounds.DEFAULT_OP_TIMEOUT_S`` (120 s); and
   ``torch_npu.npu.get_rng_state(device)`` / ``set_rng_state(state, device)``
   (``torch_npu/npu/random.py``).
 
@@ -82,8 +87,9 @@ from ftkit.backends.base import (
     CommGroup,
     MemoryFault,
 )
+from ftkit.bounds import DEFAULT_OP_TIMEOUT_S
 from ftkit.errors import FtkitError, InjectionError
-from ftkit.faults import CommunicationStopped, SimulatedFault
+from ftkit.faults import CommunicationStopped, FaultKind, SimulatedFault
 from ftkit.kinds.base import any_kind
 
 log = logging.getLogger("ftkit")
@@ -293,6 +299,17 @@ class AscendBackend(EmulatedFaultModel):
         return (self._stopped.is_set() and not isinstance(exc, SimulatedFault)
                 and _STOP_ERROR_TEXT in str(exc))
 
+    def recorded_fault(self) -> FaultKind | None:
+        """A UCE ``check_uce_in_memory`` reports (or an emulated one): the device keeps the
+        record until ``restart_device`` repairs the memory."""
+        if self.faults.memory_faults:
+            return FaultKind.UCE
+        check = self.api.check_uce_in_memory
+        if check is None:
+            self._report_once(STEP_UCE_DETECT)
+            return None
+        return FaultKind.UCE if int(check(self.device_id)) != 0 else None
+
     def memory_faults(self) -> list[MemoryFault]:
         faults = list(self.faults.memory_faults)
         check, addresses = self.api.check_uce_in_memory, self.api.get_uce_addr
@@ -373,10 +390,12 @@ class AscendBackend(EmulatedFaultModel):
     # --- operator timeout, generator --------------------------------------------------------
 
     def set_op_timeout(self, seconds: float | None) -> None:
-        """``None`` keeps the timeout already set: torch_npu has no call that removes one."""
-        self.faults.op_timeout_s = seconds
+        """``None``: ftkit's default, ``DEFAULT_OP_TIMEOUT_S`` (120 s). CANN's own default
+        is far longer than vLLM's bound on a step (``ftkit.bounds``), so an operator timeout
+        is always set."""
         if seconds is None:
-            return
+            seconds = DEFAULT_OP_TIMEOUT_S
+        self.faults.op_timeout_s = seconds
         if self.api.set_op_timeout_ms is None:
             self._report_once(STEP_OP_TIMEOUT)
             return

@@ -7,6 +7,7 @@ the backend the communicators it found (``CommGroup``), and the backend owns wha
 them. A round of recovery drives a backend in this order on every rank::
 
     stop_communication()         monitor thread: unblock this rank's collectives at once
+    recorded_fault()             a stopped rank: a fault of its own the device recorded
     memory_faults()              the failing rank, for a UCE: which addresses were hit
     recover_device(kinds)        bring the device back (restart after a force stop / reset)
     rebuild_communicators(...)   collective: fresh communicators, ftkit's own groups included
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from ftkit.faults import FaultKind
 
 #: The recovery steps a backend may or may not support (keys of ``capabilities()``).
 STEP_STOP = "stop"                        # unblock a collective a peer never joins
@@ -89,6 +92,12 @@ class Backend(Protocol):
     def memory_faults(self) -> list[MemoryFault]:
         """The uncorrectable memory errors the device reports now (empty when none)."""
 
+    def recorded_fault(self) -> FaultKind | None:
+        """A fault of this rank's own that its device recorded (a memory error), or
+        ``None``. Asked of a rank whose step was stopped for a peer's fault: the stop's error
+        hides what the device recorded before it, and the restart would clear the record
+        unrepaired."""
+
     def recover_device(self, kinds: tuple[str, ...]) -> None:
         """Bring the device back after the faults named (no-op where nothing is needed)."""
 
@@ -98,7 +107,8 @@ class Backend(Protocol):
         broken link."""
 
     def set_op_timeout(self, seconds: float | None) -> None:
-        """Make an operator that runs longer than ``seconds`` raise (``None``: never)."""
+        """Make an operator that runs longer than ``seconds`` raise (``None``: the default
+        bound, ``ftkit.bounds.DEFAULT_OP_TIMEOUT_S``, where the backend can bound it)."""
 
     def get_rng_state(self) -> Any:
         """The state of the device's default random generator."""

@@ -17,6 +17,8 @@ payloads by key strings.
                           how the runner names them and a worker's injector finds them
 ``job``                   ``EngineJob`` / ``JobResult``: what the scenario runner sends to an
                           engine host process and what it gets back
+``sampling``              ``SamplingSpec``: how each request of a job is sampled (vLLM's
+                          ``SamplingParams`` fields); part of the job, built by the scenario
 ========================  =====================================================================
 
 This package sits below both halves of ftkit (recovery and injection) and imports neither.

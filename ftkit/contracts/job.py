@@ -21,6 +21,7 @@ from typing import Any
 
 from ftkit.config import RecoveryConfig
 from ftkit.contracts.plan import FaultPlan
+from ftkit.contracts.sampling import SamplingSpec
 from ftkit.errors import EngineError
 from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
@@ -34,54 +35,6 @@ def _check_version(raw: dict[str, Any], what: str) -> dict[str, Any]:
     if raw.pop("v", None) != VERSION:
         raise EngineError(f"{what} of another version; this ftkit reads version {VERSION}")
     return raw
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """How the requests of a workload are sampled.
-
-    ``max_tokens``, ``temperature``, ``top_p`` and ``seed`` are the scenario format's v1
-    fields (``seed``: request *i* uses ``seed + i``). ``extra`` holds further fields of vLLM's
-    ``SamplingParams`` for every request, by vLLM's own names (``repetition_penalty``,
-    ``logprobs``, ``stop`` ...); ``requests`` holds, per request in order, the fields that
-    request overrides (any ``SamplingParams`` field, the four above included; a request's own
-    ``seed`` is used as given). Values are JSON types; ``for_request`` merges them.
-    """
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    requests: tuple[dict[str, Any], ...] = ()
-
-    def for_request(self, index: int) -> dict[str, Any]:
-        """The keyword arguments of vLLM's ``SamplingParams`` for request ``index``.
-
-        ftkit's workloads ignore the end-of-sequence token unless a field says otherwise
-        (``ignore_eos: false``), so that every request runs to its ``max_tokens``.
-        """
-        kwargs: dict[str, Any] = {"max_tokens": self.max_tokens,
-                                  "temperature": self.temperature, "top_p": self.top_p,
-                                  "ignore_eos": True}
-        if self.seed is not None:
-            kwargs["seed"] = self.seed + index
-        kwargs.update(self.extra)
-        if index < len(self.requests):
-            kwargs.update(self.requests[index])
-        return kwargs
-
-    def to_mapping(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "seed": self.seed, "extra": dict(self.extra),
-                "requests": [dict(r) for r in self.requests]}
-
-    @classmethod
-    def from_mapping(cls, raw: dict[str, Any]) -> SamplingSpec:
-        raw = dict(raw)
-        raw["requests"] = tuple(dict(r) for r in raw.get("requests", ()))
-        raw["extra"] = dict(raw.get("extra", {}))
-        return cls(**raw)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Injected: the operator blocks until ``params.op_timeout_s`` (torch_npu's ``set_op_timeout_ms``
 on Ascend) raises ``OperatorTimeout``, or until this rank is stopped. Damage: none on the
-device; the communicators are rebuilt and the step re-runs.
+device; the communicators are rebuilt and the step re-runs. Every hung attempt and its round
+happen inside one step RPC, which vLLM bounds: validation refuses a hang whose attempts do not
+fit (``ftkit.bounds.step_bound``).
 """
 
 from __future__ import annotations

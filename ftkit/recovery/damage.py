@@ -1,7 +1,9 @@
 """The damage assessment: what a rank's own fault destroyed, and how it is repaired.
 
 When a rank's step fails with a fault it classified, it assesses the damage before it reports
-to the round (``assess_damage`` returns a ``Repair``). The round then decides for all ranks,
+to the round (``assess_damage`` returns a ``Repair``). So does a rank whose step was stopped
+for a peer's fault when its device recorded a fault of its own before the stop
+(``Backend.recorded_fault``: a UCE on Ascend), before the round's restart clears the record. The round then decides for all ranks,
 and each rank applies the repairs after its device and communicators are back. Each kind's
 assessment is registered with the kind (``KindSpec.assess_damage`` in ``ftkit.kinds``):
 

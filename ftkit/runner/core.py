@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ftkit.bounds import DEFAULT_ROUND_TIMEOUT_S, HOST_EXIT_GRACE_S
+from ftkit.bounds import HOST_EXIT_GRACE_S, scenario_round_timeout_s
 from ftkit.config import RecoveryConfig
-from ftkit.contracts.job import EngineJob, SamplingSpec
+from ftkit.contracts.job import EngineJob
 from ftkit.contracts.plan import FaultPlan
 from ftkit.progress import EventSink, ProgressEvent, ignore_events
 from ftkit.kinds import kind_spec
@@ -68,7 +68,7 @@ class ScenarioRunner:
         recovery = RecoveryConfig(
             enabled=scenario.recovery.enabled,
             max_reinference=scenario.recovery.max_reinference,
-            round_timeout_s=min(DEFAULT_ROUND_TIMEOUT_S, scenario.expect.timeout_s))
+            round_timeout_s=scenario_round_timeout_s(scenario.expect.timeout_s))
         plan = FaultPlan.from_specs(None, scenario.faults,
                                     max_reinference=scenario.recovery.max_reinference)
         # A fault that ends a process cannot be recovered in place: the engine host restarts
@@ -107,11 +107,9 @@ class ScenarioRunner:
                 max_restarts: int = 0, multiprocess: bool = False) -> RunOutput:
         """Run the scenario's workload once on a (possibly kept) engine host, within
         ``timeout_s``. A host that timed out, or whose job failed to finish, is killed."""
-        w = scenario.workload
         job = EngineJob(
             engine=scenario.engine.model_copy(update={"model": model_dir}),
-            sampling=SamplingSpec(max_tokens=w.max_tokens, temperature=w.temperature,
-                                  top_p=w.top_p, seed=w.seed),
+            sampling=scenario.sampling_spec(),
             prompts=tuple(scenario.prompts()), recovery=recovery, plan=plan,
             max_restarts=max_restarts,
             # Said explicitly, so that jobs that get the same engine share it.

@@ -1,10 +1,10 @@
-"""The scenario format, version 1: strict models, loading with line numbers, JSON Schema.
+"""The scenario format, version 1.1: strict models, loading with line numbers, JSON Schema.
 
 ::
 
     from ftkit.scenario import load_scenario
     scenario = load_scenario("scenarios/link_flap.yaml")   # raises ScenarioErrors
-    scenario.prompts(), scenario.engine_key(), scenario.workload_key()
+    scenario.prompts(), scenario.sampling_spec(), scenario.workload_key()
 
 Modules: ``model`` (the pydantic models), ``rules`` (semantic rules), ``load`` (files,
 directories, globs), ``source`` (YAML with line marks), ``prompts`` (deterministic random

@@ -139,7 +139,10 @@ def _scenario_files(directory: str) -> list[str]:
 def _type_error(doc: Document, detail: dict[str, Any]) -> ScenarioError:
     loc = _written_loc(doc.data, tuple(detail["loc"]))
     kind = detail["type"]
-    if kind == "missing":
+    if kind == "invalid_key" or detail["loc"][-1:] == ("[key]",):
+        # The YAML reader keeps integer keys for logit_bias; everywhere else they are errors.
+        message = f"key {detail.get('input')!r} is not a string (quote it)"
+    elif kind == "missing":
         message = "required, but missing"
     elif kind == "extra_forbidden":
         message = _unknown_key_message(loc)

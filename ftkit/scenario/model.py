@@ -1,7 +1,10 @@
-"""The scenario format, version 1, as strict pydantic models.
+"""The scenario format, version 1.1, as strict pydantic models.
 
 Field names, meanings and defaults are a contract that tools outside ftkit rely on; see
-``scenarios/link_flap.yaml`` for a complete example. What a caller may rely on:
+``scenarios/link_flap.yaml`` for a complete example. Version 1.1 adds the request features
+(``workload.sampling``, ``workload.requests``, ``expect.logprob_tolerance``) and keeps every
+version 1 field and meaning: a version 1 file is a valid version 1.1 file. What a caller may
+rely on:
 
 * Every model forbids unknown keys and validates strictly: no string-to-number coercion,
   and a bool is not a number (integers are accepted where a float is expected).
@@ -9,9 +12,10 @@ Field names, meanings and defaults are a contract that tools outside ftkit rely 
   ``ftkit.scenario.rules`` (a fault's rank exists, its token is computed, its kind is
   implemented ...). Constructing one that breaks a rule raises ``ScenarioErrors`` whose
   errors carry field paths; ``load_scenario`` adds the file and line numbers.
-* ``Scenario.prompts()`` is the concrete prompt list; ``engine_key()`` and
-  ``workload_key()`` are plain JSON-able dicts holding everything that decides the
-  fault-free tokens, for cache keys (serialise them with ``sort_keys=True``).
+* ``Scenario.prompts()`` is the concrete prompt list and ``sampling_spec()`` how each
+  request is sampled (the job's ``SamplingSpec``); ``engine_key()`` and ``workload_key()``
+  are plain JSON-able dicts holding everything that decides the fault-free tokens, for cache
+  keys (serialise them with ``sort_keys=True``).
 """
 
 from __future__ import annotations
@@ -26,17 +30,21 @@ from pydantic import (
     PrivateAttr,
     ValidationError,
     WrapValidator,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from ftkit.contracts.sampling import SamplingSpec
 from ftkit.errors import ScenarioError
 from ftkit.faults import FaultKind
 from ftkit.scenario import rules
 from ftkit.scenario.errors import Loc, ScenarioErrors, format_loc, parse_field
 from ftkit.scenario.prompts import random_prompts
 
-FORMAT_VERSION = 1
+#: The format's version, ``"major.minor"``: a file of an older minor version of the same
+#: major version is valid in this one.
+FORMAT_VERSION = "1.1"
 NAME_PATTERN = r"^[a-z0-9_-]+$"
 
 Phase = Literal["before", "forward", "sample"]
@@ -59,6 +67,16 @@ Rank = Annotated[
     WrapValidator(_one_rank_error),
 ]
 PromptText = Annotated[str, Field(min_length=1)]
+
+
+def _one_stop_error(value: Any, handler: Any) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("stop", "stop must be a string or a list of strings") from None
+
+
+StopStrings = Annotated[Union[str, list[str]], WrapValidator(_one_stop_error)]
 
 
 class _Strict(BaseModel):
@@ -100,8 +118,116 @@ class RandomPrompts(_Strict):
     seed: int = Field(0, description="seed of the draw: the same seed gives the same prompts")
 
 
+#: The fields of ``SamplingFields`` that version 1 has in ``workload`` itself; they are set
+#: there for every request, and only a request's own ``sampling`` may override them.
+V1_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
+
+
+def _unset(description: str) -> Any:
+    # None means "not given": the v1 field or vLLM's default applies. It is not a value a
+    # file may write (except for seed), so the field's type has no None in it.
+    return Field(None, description=description)
+
+
+class SamplingFields(_Strict):
+    """Fields of vLLM's ``SamplingParams``, by vLLM's own names: those a client can send
+    through vLLM's OpenAI-compatible API. Each field left out keeps the workload's value, or
+    vLLM's default. Types are checked here; values are checked by vLLM's own
+    ``SamplingParams`` when the scenario is validated (where vLLM is installed)."""
+
+    max_tokens: int = Field(None, ge=1, description="output tokens of the request; only in a "
+                                                    "request's `sampling` (for every request: "
+                                                    "`workload.max_tokens`)")
+    temperature: float = _unset("sampling temperature, 0 is greedy; only in a request's "
+                                "`sampling` (for every request: `workload.temperature`)")
+    top_p: float = _unset("nucleus sampling threshold; only in a request's `sampling` (for "
+                          "every request: `workload.top_p`)")
+    seed: int | None = _unset("the request's own sampling seed, used as given (null: "
+                              "unseeded); only in a request's `sampling` (for every request: "
+                              "`workload.seed`)")
+    n: int = Field(None, ge=1, description="completions (samples) of the request; more than "
+                                           "1 needs random sampling (temperature > 0)")
+    presence_penalty: float = _unset("penalty on tokens that already appeared in the output, "
+                                     "in [-2, 2]")
+    frequency_penalty: float = _unset("penalty proportional to how often a token appeared in "
+                                      "the output, in [-2, 2]")
+    repetition_penalty: float = _unset("penalty on tokens of the prompt and the output; above "
+                                       "1 discourages repeats, 1 is none")
+    top_k: int = _unset("sample among the k most likely tokens; 0 or -1 keeps every token")
+    min_p: float = _unset("drop tokens less likely than this fraction of the most likely one, "
+                          "in [0, 1]")
+    stop: StopStrings = _unset("string(s) that end the output when generated")
+    stop_token_ids: list[int] = _unset("token ids that end the output when generated")
+    include_stop_str_in_output: bool = _unset("keep the stop string in the finished text")
+    ignore_eos: bool = _unset("carry on past the end-of-sequence token; ftkit's workloads "
+                              "default to true, so that each request runs to its max_tokens")
+    min_tokens: int = _unset("output tokens produced before an end-of-sequence token or a "
+                             "stop token id may end the output")
+    logprobs: int = _unset("the number of most likely tokens whose logprobs each output "
+                           "position returns (-1: the whole vocabulary); the sampled token's "
+                           "logprob is always recorded")
+    prompt_logprobs: int = _unset("the same for every prompt position")
+    logit_bias: dict[str, float] = _unset("token id -> bias in [-100, 100] added to its logit "
+                                          "before sampling; keys are integers or strings of "
+                                          "integers, as the OpenAI API takes them")
+    allowed_token_ids: list[int] = _unset("sample only among these token ids")
+    bad_words: list[str] = _unset("words that are never generated")
+    skip_special_tokens: bool = _unset("leave special tokens out of the finished text")
+    spaces_between_special_tokens: bool = _unset("put spaces between special tokens in the "
+                                                 "finished text")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        # YAML gives integer keys for `{42: 5}` and string keys for `{"42": 5}`; the OpenAI
+        # API takes strings of integers. One spelling (the string of the integer) keeps cache
+        # keys equal; the job turns the keys into the ints vLLM indexes logits with.
+        if not isinstance(value, dict):
+            return value
+        canonical: dict[str, Any] = {}
+        for key, bias in value.items():
+            text = str(key).strip() if isinstance(key, (int, str)) and \
+                not isinstance(key, bool) else ""
+            if not text.lstrip("-").isdigit() or int(text) < 0:
+                raise PydanticCustomError("token_id", "logit_bias keys are token ids (integers "
+                                                      ">= 0), not {key}", {"key": repr(key)})
+            token = str(int(text))
+            if token in canonical:
+                raise PydanticCustomError("token_id", "logit_bias gives token {token} twice",
+                                          {"token": int(token)})
+            canonical[token] = bias
+        return canonical
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[str, float]) -> dict[str, float]:
+        for token, bias in value.items():
+            if not -100 <= bias <= 100:
+                raise PydanticCustomError("bias", "logit_bias of token {token} is {bias}: a "
+                                                  "bias is in [-100, 100]",
+                                          {"token": token, "bias": bias})
+        return value
+
+    def given(self) -> dict[str, Any]:
+        """The fields the file gives, as JSON types (an explicit ``seed: null`` included)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class RequestSpec(_Strict):
+    """One request: its prompt and the sampling fields it sets for itself."""
+
+    prompt: PromptText = Field(description="the prompt")
+    sampling: SamplingFields = Field(default_factory=SamplingFields,
+                                     description="fields of vLLM's `SamplingParams` for this "
+                                                 "request only, over `workload.sampling` and "
+                                                 "the v1 fields (`max_tokens`, "
+                                                 "`temperature`, `top_p`, `seed`) of the "
+                                                 "workload")
+
+
 class WorkloadSpec(_Strict):
-    """The requests: exactly one of ``prompts`` and ``random_prompts``, and how to sample."""
+    """The requests: exactly one of ``prompts``, ``random_prompts`` and ``requests``, and how
+    to sample them."""
 
     prompts: Annotated[list[PromptText], Field(min_length=1)] | None = Field(
         None, description="the requests, one prompt each: request *i* is the *i*-th prompt")
@@ -109,19 +235,31 @@ class WorkloadSpec(_Strict):
         None, description="instead of `prompts`: prompts drawn from a fixed word list, the same "
                           "on every machine")
     max_tokens: int = Field(64, ge=1, description="output tokens per request")
-    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
+    temperature: float = Field(0.0, ge=0, le=2, description="sampling temperature; 0 is "
+                                                            "greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: sample among the most "
                                                       "likely tokens whose probabilities add "
                                                       "up to this; 1 keeps every token")
     seed: int | None = Field(None, description="per-request sampling seed, used when "
-                                               "temperature > 0 (none: unseeded)")
+                                               "temperature > 0: request *i* uses seed + "
+                                               "*i* (none: unseeded)")
+    requests: Annotated[list[RequestSpec], Field(min_length=1)] | None = Field(
+        None, description="instead of `prompts`: the requests, one entry each, with their "
+                          "own sampling fields (format 1.1)")
+    sampling: SamplingFields = Field(default_factory=SamplingFields,
+                                     description="further fields of vLLM's `SamplingParams` "
+                                                 "for every request (format 1.1); "
+                                                 "`max_tokens`, `temperature`, `top_p` and "
+                                                 "`seed` are the workload's own fields above")
 
     def prompt_count(self) -> int:
-        """How many requests the workload sends (0 only if neither prompt source is set)."""
+        """How many requests the workload sends (0 only if no prompt source is set)."""
         if self.prompts is not None:
             return len(self.prompts)
         if self.random_prompts is not None:
             return self.random_prompts.count
+        if self.requests is not None:
+            return len(self.requests)
         return 0
 
     def prompt_texts(self) -> list[str]:
@@ -131,7 +269,20 @@ class WorkloadSpec(_Strict):
         if self.random_prompts is not None:
             r = self.random_prompts
             return random_prompts(r.count, r.min_words, r.max_words, r.seed)
+        if self.requests is not None:
+            return [r.prompt for r in self.requests]
         return []
+
+    def request_overrides(self) -> tuple[dict[str, Any], ...]:
+        """Per request in order, the sampling fields it sets for itself (``()`` without
+        ``requests``)."""
+        return tuple(r.sampling.given() for r in self.requests or ())
+
+    def sampling_spec(self) -> SamplingSpec:
+        """How each request is sampled: the v1 fields, ``sampling`` and each request's own."""
+        return SamplingSpec(max_tokens=self.max_tokens, temperature=self.temperature,
+                            top_p=self.top_p, seed=self.seed, extra=self.sampling.given(),
+                            requests=self.request_overrides())
 
 
 class RecoverySpec(_Strict):
@@ -147,7 +298,7 @@ class FaultAt(_Strict):
     """The engine step that computes output token ``token`` (0 = prefill) of ``request``."""
 
     request: int = Field(ge=0, description="the request, as an index into the workload's "
-                                           "prompts (from 0)")
+                                           "requests (its prompts) in order, from 0")
     token: int = Field(ge=0, description="0-based output token index; 0 is the prefill step")
 
 
@@ -188,6 +339,12 @@ class ExpectSpec(_Strict):
                                                           "round, in seconds")
     timeout_s: float = Field(300.0, gt=0, description="hard bound on the whole run, in "
                                                       "seconds")
+    logprob_tolerance: float = Field(0.0, ge=0,
+                                     description="largest absolute difference allowed between "
+                                                 "a logprob of the run and the fault-free "
+                                                 "run's; 0 (the default) asks for bit-identical "
+                                                 "logprobs. Only for dtypes or platforms that "
+                                                 "cannot be bit-exact (format 1.1)")
 
 
 class Scenario(_Strict):
@@ -200,8 +357,9 @@ class Scenario(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec,
                                description="How the vLLM engine is built; every key has a "
                                            "default.")
-    workload: WorkloadSpec = Field(description="The requests: exactly one of `prompts` and "
-                                               "`random_prompts`, and how to sample.")
+    workload: WorkloadSpec = Field(description="The requests: exactly one of `prompts`, "
+                                               "`random_prompts` and `requests`, and how to "
+                                               "sample them.")
     recovery: RecoverySpec = Field(default_factory=RecoverySpec,
                                    description="The recovery engine's settings for this run; "
                                                "every key has a default.")
@@ -240,6 +398,11 @@ class Scenario(_Strict):
         """The concrete prompts, one per request, in request order."""
         return self.workload.prompt_texts()
 
+    def sampling_spec(self) -> SamplingSpec:
+        """How the requests are sampled, for the engine job (``SamplingSpec.for_request(i)``
+        gives request *i*'s ``SamplingParams`` fields)."""
+        return self.workload.sampling_spec()
+
     def engine_key(self) -> dict[str, Any]:
         """The engine settings that decide the fault-free tokens, as JSON types.
 
@@ -249,18 +412,28 @@ class Scenario(_Strict):
         return self.engine.model_dump(mode="json")
 
     def workload_key(self) -> dict[str, Any]:
-        """The requests that decide the fault-free tokens, prompts generated, as JSON types."""
+        """The requests that decide the fault-free tokens, prompts generated, as JSON types.
+
+        A workload without fields beyond version 1 has the same key as in version 1; one
+        written with ``requests`` whose entries set no sampling field has the key of the same
+        ``prompts``."""
         w = self.workload
-        greedy = w.temperature == 0
-        return {
+        spec = self.sampling_spec()
+        # vLLM ignores top_p and the workload's seed when every request samples greedily;
+        # normalising them lets greedy workloads that differ only there share one run.
+        greedy = all(spec.for_request(i)["temperature"] == 0 for i in range(w.prompt_count()))
+        key: dict[str, Any] = {
             "prompts": self.prompts(),
             "max_tokens": w.max_tokens,
             "temperature": w.temperature,
-            # vLLM ignores top_p and the seed when sampling greedily; normalising them lets
-            # greedy workloads that differ only there share one fault-free run.
             "top_p": 1.0 if greedy else w.top_p,
             "seed": None if greedy else w.seed,
         }
+        if spec.extra:
+            key["sampling"] = spec.extra
+        if any(spec.requests):
+            key["requests"] = list(spec.requests)
+        return key
 
 
 def scenario_json_schema() -> dict[str, Any]:

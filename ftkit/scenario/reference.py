@@ -58,6 +58,17 @@ def _intro() -> str:
         "keys and wrong types are errors, reported with file, line and field path "
         "(`ftkit validate FILE`). Numbers are not read from strings, and a bool is not a "
         "number.\n\n"
+        "Version 1.1 keeps every field and meaning of version 1 (a version 1 file is a valid "
+        "1.1 file) and adds the request features: `workload.sampling` (further fields of "
+        "vLLM's `SamplingParams` for every request, by vLLM's own names), `workload.requests` "
+        "(one entry per request, each with its own sampling fields) and "
+        "`expect.logprob_tolerance`. Request *i* is sampled with the workload's `max_tokens`, "
+        "`temperature`, `top_p` and `seed` (plus *i*), then `workload.sampling`, then its own "
+        "`sampling`, each over the one before; ftkit sets `ignore_eos: true` unless a field "
+        "says otherwise. Where vLLM is installed, `ftkit validate` builds vLLM's own "
+        "`SamplingParams` from each request's fields, so that a value vLLM refuses is an error "
+        "with its file, line and field (`workload.requests[2].sampling.n`); without vLLM only "
+        "the types are checked, and vLLM judges the values when the run starts.\n\n"
         f"The same format is published as a JSON Schema (draft-07, `$id` "
         f"`{published.schema_id()}`): the file `{_repo_path(published.SCHEMA_FILE)}`, "
         "installed with the package and printed by `ftkit schema`. It checks keys, types "
@@ -104,7 +115,9 @@ def _object_of(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any] | N
 
 
 def _is_array(prop: dict[str, Any], defs: dict[str, Any]) -> bool:
-    return _resolve(prop, defs).get("type") == "array"
+    """Whether ``prop`` holds a list (an optional one too)."""
+    prop = _resolve(prop, defs)
+    return prop.get("type") == "array" or any(_is_array(o, defs) for o in prop.get("anyOf", []))
 
 
 def _resolve(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:

@@ -4,23 +4,29 @@
 the field to change. It only reads the scenario; ``Scenario`` runs it when it is built, so
 a ``Scenario`` object never breaks these rules.
 
-The rules, in order: exactly one prompt source, ``min_words <= max_words``; for each fault:
-its kind is implemented, its rank exists, its request exists, its token is computed
-(``< max_tokens``), its ``params`` fit its kind (``ftkit.scenario.params``), and its kind's own
-rules (``KindSpec.rules`` in ``ftkit.kinds``: a link fault has a peer, a flap repeats, a process
-is killed once, a KV UCE hits a request that holds KV, ...); an expected recovery is possible
-(recovery enabled and ``times <= max_reinference``); and expected identical tokens can be
-reproduced (random sampling has a seed).
+The rules, in order: exactly one prompt source, ``min_words <= max_words``, no v1 field in
+``workload.sampling``; every request's sampling fields are accepted by vLLM's own
+``SamplingParams`` (see ``_sampling_problems``); for each fault: its kind is implemented, its
+rank exists, its request exists, its token is computed (``<`` that request's ``max_tokens``),
+its ``params`` fit its kind (``ftkit.scenario.params``), and its kind's own rules
+(``KindSpec.rules`` in ``ftkit.kinds``: a link fault has a peer, a flap repeats, a process is
+killed once, a KV UCE hits a request that holds KV, ...); an expected recovery is possible
+(recovery enabled and ``times <= max_reinference``); expected identical tokens can be
+reproduced (every randomly sampled request has a seed); a killed process's requests can be
+resumed (none has ``n > 1``); and, with recovery on, ``engine.args`` turn on nothing that
+ftkit cannot recover (pipeline, data or expert parallelism, speculative decoding,
+asynchronous scheduling).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from ftkit.kinds import kind_spec
-from ftkit.scenario.errors import Loc
+from ftkit.scenario.errors import Loc, format_loc, parse_field
 from ftkit.scenario.params import params_model, parse_params
 
 if TYPE_CHECKING:
@@ -32,32 +38,98 @@ Problem = tuple[Loc, str]
 def problems(scenario: Scenario) -> list[Problem]:
     """Every semantic rule the scenario breaks; ``[]`` when it is sound."""
     found = _workload_problems(scenario.workload)
+    # The rules below read each request's merged sampling fields, which a broken workload
+    # (two prompt sources, a v1 field in workload.sampling) does not define.
+    workload_sound = not found
+    if workload_sound:
+        found += _sampling_problems(scenario.workload)
     for index, fault in enumerate(scenario.faults):
         found += _fault_problems(scenario, ("faults", index), fault)
     found += _expectation_problems(scenario)
-    found += _reproducibility_problems(scenario)
+    if workload_sound:
+        found += _reproducibility_problems(scenario)
+        found += _resume_problems(scenario)
+    found += _engine_problems(scenario)
+    found += _bounds_problems(scenario)
     return found
 
 
 def _workload_problems(workload: WorkloadSpec) -> list[Problem]:
+    from ftkit.scenario.model import V1_SAMPLING_FIELDS
+
     found: list[Problem] = []
-    if workload.prompts is None and workload.random_prompts is None:
-        found.append((("workload",), "give the requests: either prompts or random_prompts"))
-    if workload.prompts is not None and workload.random_prompts is not None:
-        found.append((("workload", "random_prompts"),
-                      "give either prompts or random_prompts, not both"))
+    sources = [name for name in ("prompts", "random_prompts", "requests")
+               if getattr(workload, name) is not None]
+    if not sources:
+        found.append((("workload",), "give the requests: prompts, random_prompts or requests"))
+    found += [(("workload", name), f"give either {sources[0]} or {name}, not both")
+              for name in sources[1:]]
     bounds = workload.random_prompts
     if bounds is not None and bounds.min_words > bounds.max_words:
         found.append((("workload", "random_prompts", "max_words"),
                       f"max_words ({bounds.max_words}) is below min_words ({bounds.min_words})"))
+    found += [(("workload", "sampling", name),
+               f"{name} is a field of the workload itself: set workload.{name} (for one "
+               f"request only: workload.requests[i].sampling.{name})")
+              for name in V1_SAMPLING_FIELDS if name in workload.sampling.model_fields_set]
     return found
+
+
+def _sampling_problems(workload: WorkloadSpec) -> list[Problem]:
+    """What vLLM's own ``SamplingParams`` refuses in the requests' sampling fields.
+
+    Each request's fields (``SamplingSpec.for_request``, as the engine gets them) build a
+    ``SamplingParams`` (``ftkit.vllm.sampling``); a refusal names the field where it was
+    written: the request's own ``sampling``, ``workload.sampling`` or the v1 field. Runs only
+    for workloads that use fields beyond version 1 (the models check version 1's), and only
+    where vLLM can be imported: elsewhere the models' type checks are all there is, and vLLM
+    judges the values when the run starts.
+    """
+    spec = workload.sampling_spec()
+    if not spec.extra and not any(spec.requests):
+        return []
+    # Imported here: validating a version 1 workload needs no vLLM (whose import takes seconds).
+    from ftkit.vllm import sampling as vllm_sampling
+
+    names = vllm_sampling.sampling_param_names()
+    if names is None:
+        return []
+    found: list[Problem] = []
+    for index in range(workload.prompt_count()):
+        kwargs = spec.for_request(index)
+        refused = [(name, "not a field of the installed vLLM's SamplingParams")
+                   for name in sorted(set(kwargs) - names)]
+        if not refused:
+            answer = vllm_sampling.refusal(kwargs)
+            if answer is not None:
+                refused.append((answer.field, f"vLLM refuses it: {answer.message}"))
+        for name, message in refused:
+            problem = (_where_set(workload, index, name), message)
+            if problem not in found:  # a workload-wide field fails every request alike
+                found.append(problem)
+    return found
+
+
+def _where_set(workload: WorkloadSpec, index: int, name: str | None) -> Loc:
+    """Where request ``index``'s sampling field ``name`` was written (or would be)."""
+    from ftkit.scenario.model import V1_SAMPLING_FIELDS
+
+    own = workload.requests[index].sampling if workload.requests else None
+    if own is not None and name in own.model_fields_set:
+        return ("workload", "requests", index, "sampling", name)
+    if name in workload.sampling.model_fields_set:
+        return ("workload", "sampling", name)
+    if name in V1_SAMPLING_FIELDS:
+        return ("workload", name)
+    if own is not None:
+        return ("workload", "requests", index, "sampling") + ((name,) if name else ())
+    return ("workload", "sampling") + ((name,) if name else ())
 
 
 def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Problem]:
     found: list[Problem] = []
     world_size = scenario.engine.tensor_parallel_size
     n_requests = scenario.workload.prompt_count()
-    max_tokens = scenario.workload.max_tokens
     spec = kind_spec(fault.kind)
 
     # A scenario must never look as if it tested a fault that the injector would skip.
@@ -70,16 +142,31 @@ def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
     if n_requests and fault.at.request >= n_requests:
         found.append((at + ("at", "request"),
                       f"request {fault.at.request} does not exist: the workload has "
-                      f"{n_requests} prompt(s), numbered from 0"))
-    if fault.at.token >= max_tokens:
-        found.append((at + ("at", "token"),
-                      f"token {fault.at.token} is never computed: workload.max_tokens is "
-                      f"{max_tokens}, tokens are numbered from 0"))
+                      f"{n_requests} request(s), numbered from 0"))
+    found += _token_problems(scenario, at, fault)
     params, params_problems = _params(at, fault)
     found += params_problems
     for rule in spec.rules:
         found += rule(at, fault, params, scenario)
     return found
+
+
+def _token_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Problem]:
+    """The fault's token must be one its request computes: below that request's own
+    ``max_tokens`` (a request that does not exist has the workload's)."""
+    request = fault.at.request
+    exists = request < scenario.workload.prompt_count()
+    max_tokens = scenario.sampling_spec().for_request(request)["max_tokens"] if exists \
+        else scenario.workload.max_tokens
+    if fault.at.token < max_tokens:
+        return []
+    where = _where_set(scenario.workload, request, "max_tokens") if exists \
+        else ("workload", "max_tokens")
+    setting = format_loc(where)
+    if where != ("workload", "max_tokens"):
+        setting = f"request {request}'s max_tokens ({setting})"
+    return [(at + ("at", "token"), f"token {fault.at.token} is never computed: {setting} is "
+                                   f"{max_tokens}, tokens are numbered from 0")]
 
 
 def _params(at: Loc, fault: FaultSpec) -> tuple[Any, list[Problem]]:
@@ -122,11 +209,126 @@ def _reproducibility_problems(scenario: Scenario) -> list[Problem]:
     # Unseeded random sampling draws from the engine's own generator, whose state depends on
     # everything that engine ran before: no two runs (the fault-free one, the faulted one)
     # draw the same tokens, and the verdict would be decided by chance.
-    workload = scenario.workload
-    if workload.temperature == 0 or workload.seed is not None \
-            or scenario.expect.tokens != "identical":
+    if scenario.expect.tokens != "identical":
         return []
-    return [(("workload", "seed"),
-             f"temperature {workload.temperature:g} without a seed draws different tokens on "
-             f"every run, so they cannot be identical to the fault-free run: give "
-             f"workload.seed, or expect tokens 'prefix'")]
+    workload = scenario.workload
+    spec = scenario.sampling_spec()
+    found: list[Problem] = []
+    for index in range(workload.prompt_count()):
+        kwargs = spec.for_request(index)
+        # vLLM reads a seed of -1 as no seed.
+        if kwargs["temperature"] == 0 or kwargs.get("seed") not in (None, -1):
+            continue
+        own = spec.requests[index] if index < len(spec.requests) else {}
+        if "temperature" not in own and "seed" not in own:
+            problem = (("workload", "seed"),
+                       f"temperature {workload.temperature:g} without a seed draws different "
+                       f"tokens on every run, so they cannot be identical to the fault-free "
+                       f"run: give workload.seed, or expect tokens 'prefix'")
+        else:
+            field = f"workload.requests[{index}].sampling.seed"
+            problem = (parse_field(field),
+                       f"request {index} samples at temperature {kwargs['temperature']:g} "
+                       f"without a seed, which draws different tokens on every run, so they "
+                       f"cannot be identical to the fault-free run: give {field}, or expect "
+                       f"tokens 'prefix'")
+        if problem not in found:
+            found.append(problem)
+    return found
+
+
+def _resume_problems(scenario: Scenario) -> list[Problem]:
+    # After a fault that ends a process the engine is restarted and every unfinished request
+    # resumed from its tokens so far; the runner cannot resume a request's several samples.
+    if not scenario.recovery.enabled:
+        return []
+    spec = scenario.sampling_spec()
+    several = [(index, n) for index in range(scenario.workload.prompt_count())
+               if (n := spec.for_request(index).get("n") or 1) > 1]
+    if not several:
+        return []
+    index, n = several[0]
+    field = format_loc(_where_set(scenario.workload, index, "n"))
+    return [(("faults", at, "kind"),
+             f"{fault.kind} ends a process, after which the unfinished requests are resumed on "
+             f"a new engine, and resuming requests with n > 1 is not supported yet: request "
+             f"{index} has n {n} ({field}); use n 1, or set recovery.enabled false")
+            for at, fault in enumerate(scenario.faults) if kind_spec(fault.kind).ends_process]
+
+
+#: ``engine.args`` that turn on what ftkit's recovery cannot recover yet: the key, whether a
+#: value turns it on, what it turns on, and the value to set instead. The engine refuses them
+#: at start too (``ftkit.vllm.runner_state.check_supported``); validation says so earlier.
+_UNRECOVERABLE_ARGS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
+    ("pipeline_parallel_size", lambda v: _number(v) > 1, "pipeline parallelism",
+     "set it to 1"),
+    ("data_parallel_size", lambda v: _number(v) > 1, "data parallelism", "set it to 1"),
+    ("enable_expert_parallel", lambda v: v is True, "expert parallelism", "set it to false"),
+    ("speculative_config", lambda v: v is not None, "speculative decoding", "remove it"),
+    ("async_scheduling", lambda v: v is True, "asynchronous scheduling", "set it to false"),
+)
+
+
+def _number(value: Any) -> float:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def _engine_problems(scenario: Scenario) -> list[Problem]:
+    if not scenario.recovery.enabled:
+        return []
+    args = scenario.engine.args
+    return [(("engine", "args", key),
+             f"ftkit's recovery does not support {what} yet: {fix} (or set recovery.enabled "
+             f"false to run without recovery)")
+            for key, turns_on, what, fix in _UNRECOVERABLE_ARGS
+            if key in args and turns_on(args[key])]
+
+
+def _bounds_problems(scenario: Scenario) -> list[Problem]:
+    """A hang whose failing attempts and rounds outlast vLLM's bound on one step.
+
+    Every re-run of a step happens inside the step's RPC, which vLLM's multi-process executor
+    (tensor parallel 2 and more) bounds by ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` before it
+    ends the engine. ftkit gives its engines what their recovery settings need at worst
+    (``RecoveryConfig.step_bound``: ``max_reinference`` attempts ended by the default
+    operator timeout, ``ftkit.vllm.environment``), or the environment's value where that is
+    larger; a hang whose own ``op_timeout_s`` is longer may need more (``ftkit.bounds``).
+    Other kinds end their attempt at once."""
+    import os
+
+    from ftkit.bounds import (
+        DEFAULT_OP_TIMEOUT_S,
+        VLLM_EXECUTE_TIMEOUT_ENV,
+        scenario_round_timeout_s,
+        step_bound,
+        vllm_execute_timeout_s,
+    )
+    from ftkit.errors import FtkitError
+    from ftkit.faults import FaultKind
+
+    recovery = scenario.recovery
+    if not recovery.enabled or scenario.engine.tensor_parallel_size < 2:
+        return []
+    round_timeout_s = scenario_round_timeout_s(scenario.expect.timeout_s)
+    engine = step_bound(failing_attempts=recovery.max_reinference, attempt_s=None,
+                        round_timeout_s=round_timeout_s)
+    try:
+        given = max(vllm_execute_timeout_s(os.environ), engine.needed_s)
+    except FtkitError as exc:
+        return [(("engine",), str(exc))]
+    found: list[Problem] = []
+    for index, fault in enumerate(scenario.faults):
+        params, broken = _params(("faults", index), fault)
+        if fault.kind is not FaultKind.HANG or params is None or broken:
+            continue
+        need = step_bound(failing_attempts=min(fault.times, recovery.max_reinference),
+                          attempt_s=params.op_timeout_s, round_timeout_s=round_timeout_s)
+        if not need.fits(given):
+            found.append((("faults", index, "params", "op_timeout_s"),
+                          f"{need.describe()} exceed the {given} s vLLM waits for one step "
+                          f"({VLLM_EXECUTE_TIMEOUT_ENV}; ftkit gives its engines what "
+                          f"recovery.max_reinference {recovery.max_reinference} x "
+                          f"({DEFAULT_OP_TIMEOUT_S:g} s default operator timeout + "
+                          f"{engine.round_s:g} s round) needs): lower params.op_timeout_s or "
+                          f"times, or set {VLLM_EXECUTE_TIMEOUT_ENV}={need.needed_s} or more"))
+    return found

@@ -7,9 +7,10 @@ strict models then reject what does not fit). Merge keys (``<<``) and aliases wo
 
 What a caller may rely on: ``read_yaml`` raises ``ScenarioErrors`` for text that is not
 YAML; otherwise it returns a ``Document`` whose ``problems`` list the structural errors
-that YAML allows but a scenario does not (duplicate keys, keys that are not strings), each
-with its line, and whose ``line_of(loc)`` gives the line of any loc or of its nearest
-written parent.
+that YAML allows but a scenario does not (duplicate keys, keys that are neither strings nor
+integers), each with its line, and whose ``line_of(loc)`` gives the line of any loc or of its
+nearest written parent. Integer keys are kept for the models to judge (``logit_bias`` takes
+token ids); the models reject them everywhere else.
 """
 
 from __future__ import annotations
@@ -126,23 +127,24 @@ class _Builder:
             items.append(self.build(item, loc + (index,)))
         return items
 
-    def _key(self, key_node: Node, loc: Loc) -> str | None:
+    def _key(self, key_node: Node, loc: Loc) -> str | int | None:
         key = self._loader.construct_object(key_node, deep=True) \
             if isinstance(key_node, ScalarNode) else key_node
-        if isinstance(key, str):
+        # Integers are left to the models: token ids key `logit_bias`, as in the OpenAI API.
+        if isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool)):
             return key
-        # YAML 1.1 reads unquoted on/off/yes/no/1 as bools and numbers: say so.
+        # YAML 1.1 reads unquoted on/off/yes/no/1.5 as bools and numbers: say so.
         shown = key_node.value if isinstance(key_node, ScalarNode) else "a collection"
         self._problem(f"key {shown!r} is not a string (quote it)", loc, key_node)
         return None
 
     def _check_duplicates(self, node: MappingNode, loc: Loc) -> None:
-        first_line: dict[str, int] = {}
+        first_line: dict[str | int, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == _MERGE_TAG or not isinstance(key_node, ScalarNode):
                 continue
             key = self._loader.construct_object(key_node, deep=True)
-            if not isinstance(key, str):
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
                 continue
             line = key_node.start_mark.line + 1
             if key in first_line:

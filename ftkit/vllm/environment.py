@@ -1,20 +1,34 @@
 """How ftkit builds a vLLM engine: default engine arguments, the recovery settings in
-``additional_config``, and the process environment the engine's processes read at start."""
+``additional_config``, and the process environment the engine's processes read at start.
+
+vLLM's multi-process executor (tensor parallel 2 and more) ends the engine when one step RPC
+takes longer than ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, and every re-run of a step happens
+inside that RPC. For the engines ftkit starts, the timeout is raised to what the recovery
+settings need at worst (``RecoveryConfig.step_bound``, ``ExecuteTimeout``), and a log line
+says so; an engine ftkit did not start (``vllm serve``) gets a warning at start with the
+setting to change (``warn_short_execute_timeout``).
+"""
 
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import re
 import tempfile
 from collections.abc import Iterator
+from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
+from ftkit.bounds import VLLM_EXECUTE_TIMEOUT_ENV, StepBound, vllm_execute_timeout_s
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.scenario.model import EngineSpec
+
+log = logging.getLogger("ftkit")
 
 #: Engine arguments ftkit sets unless the scenario's ``engine.args`` says otherwise.
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {
@@ -49,11 +63,61 @@ def engine_args(spec: EngineSpec, recovery: RecoveryConfig | None) -> dict[str, 
             "seed": spec.seed, **args}
 
 
+@dataclass(frozen=True)
+class ExecuteTimeout:
+    """vLLM's bound on one step RPC of an engine, against what its recovery needs."""
+
+    #: What vLLM would use: the environment's ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, or 300.
+    vllm_s: int
+    #: What the recovery settings need at worst (``RecoveryConfig.step_bound``).
+    bound: StepBound
+
+    @property
+    def short(self) -> bool:
+        """vLLM would end the engine before a step's recovery may be over."""
+        return not self.bound.fits(self.vllm_s)
+
+    @property
+    def seconds(self) -> int:
+        """The timeout an engine ftkit starts gets: vLLM's, raised where it is short."""
+        return max(self.vllm_s, self.bound.needed_s)
+
+    def describe(self) -> str:
+        return (f"recovery may need up to {self.bound.needed_s} s for one step "
+                f"({self.bound.describe()}), and vLLM ends the engine when a step takes longer "
+                f"than {self.vllm_s} s ({VLLM_EXECUTE_TIMEOUT_ENV})")
+
+
+def execute_timeout(recovery: RecoveryConfig | None, world_size: int,
+                    environ: Mapping[str, str] | None = None) -> ExecuteTimeout | None:
+    """vLLM's execute timeout against ``recovery``'s needs, for an engine of ``world_size``
+    ranks; ``None`` where no recovery runs or vLLM bounds no step (one rank: its executor
+    runs the step in the engine core, without a timeout)."""
+    if recovery is None or not recovery.enabled or world_size < 2:
+        return None
+    return ExecuteTimeout(vllm_execute_timeout_s(os.environ if environ is None else environ),
+                          recovery.step_bound())
+
+
+def warn_short_execute_timeout(recovery: RecoveryConfig, world_size: int) -> None:
+    """At the start of an engine ftkit did not start (``vllm serve``, ``vllm.LLM``): warn
+    when vLLM's execute timeout would end the engine before a step's recovery is over. Only
+    the environment of ``vllm serve`` can change it, so ftkit says which setting to give."""
+    timeout = execute_timeout(recovery, world_size)
+    if timeout is not None and timeout.short:
+        log.warning("ftkit: %s: set %s=%d in the environment of vllm serve, or lower "
+                    "fault_tolerance.max_reinference, op_timeout_s or round_timeout_s",
+                    timeout.describe(), VLLM_EXECUTE_TIMEOUT_ENV, timeout.seconds)
+
+
 @contextmanager
-def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None
-                       ) -> Iterator[None]:
+def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
+                       recovery: RecoveryConfig | None = None
+                       ) -> Iterator[ExecuteTimeout | None]:
     """The environment (and CPU affinity) an engine of ``tp`` ranks starts in; restored
-    afterwards.
+    afterwards. Yields the engine's execute timeout (``None`` for one rank or no recovery):
+    with ``recovery``, vLLM's ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` is raised where it
+    would end a step before its recovery is over, and a log line says so.
 
     ``tmp_dir``: the engine's own temporary folder. vLLM leaves files in the temporary folder
     that nothing removes when its processes are killed (the file store of its distributed
@@ -62,7 +126,8 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None
     by every engine."""
     saved = {k: os.environ.get(k) for k in [*ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING",
                                              "VLLM_CPU_OMP_THREADS_BIND", "TMPDIR",
-                                             "TORCHINDUCTOR_CACHE_DIR"]}
+                                             "TORCHINDUCTOR_CACHE_DIR",
+                                             VLLM_EXECUTE_TIMEOUT_ENV]}
     saved_tempdir = tempfile.tempdir
     if tmp_dir is not None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
@@ -81,13 +146,18 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None
         # One core per rank where there are enough (far faster than no binding on 2 cores).
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
             "|".join(str(cores[i % len(cores)]) for i in range(tp)) if cores else "nobind")
+    timeout = execute_timeout(recovery, tp)
+    if timeout is not None and timeout.short:
+        os.environ[VLLM_EXECUTE_TIMEOUT_ENV] = str(timeout.seconds)
+        log.info("ftkit: %s: raised %s to %d s for this engine", timeout.describe(),
+                 VLLM_EXECUTE_TIMEOUT_ENV, timeout.seconds)
     # vLLM caches its environment once an engine is up; a second engine in this process must
     # see the settings above, not the first engine's.
     from vllm import envs
 
     envs.disable_envs_cache()
     try:
-        yield
+        yield timeout
     finally:
         tempfile.tempdir = saved_tempdir
         me.cpu_affinity(affinity)

@@ -18,7 +18,7 @@ import torch
 from ftkit.backends.ascend import AscendBackend
 from ftkit.backends.base import RECOVERY_STEPS, MemoryFault
 from ftkit.errors import FtkitError
-from ftkit.faults import CommunicationStopped, OperatorTimeout, SimulatedFault
+from ftkit.faults import CommunicationStopped, FaultKind, OperatorTimeout, SimulatedFault
 
 DEVICE = 3
 
@@ -171,10 +171,24 @@ def test_the_operator_timeout_is_set_in_milliseconds(load_torch_npu):
     backend = AscendBackend(0, device_id=DEVICE)
     backend.set_op_timeout(2.5)
     assert torch_npu._standin.DEVICE.op_timeout_ms == 2500
-    backend.set_op_timeout(None)  # torch_npu cannot remove one: the setting stays
-    assert torch_npu._standin.DEVICE.op_timeout_ms == 2500
+    # No op_timeout_s in the settings: ftkit's documented default of 120 s, not CANN's.
+    backend.set_op_timeout(None)
+    assert torch_npu._standin.DEVICE.op_timeout_ms == 120_000
     assert [c["args"] for c in torch_npu._standin.DEVICE.calls
-            if c["call"] == "set_op_timeout_ms"] == [[2500]]
+            if c["call"] == "set_op_timeout_ms"] == [[2500], [120_000]]
+
+
+def test_a_uce_the_device_recorded_is_this_ranks_own_fault_until_the_restart(load_torch_npu):
+    torch_npu = load_torch_npu()
+    backend = AscendBackend(0, device_id=DEVICE)
+    assert backend.recorded_fault() is None
+    torch_npu._standin.inject_uce(0x7F00_0000_1000, 4096)
+    backend.stop_communication()  # a peer's fault stops this rank: the record stays
+    assert backend.recorded_fault() is FaultKind.UCE
+    backend.recover_device(())
+    assert backend.recorded_fault() is None
+    backend.report_memory_fault(MemoryFault(0x2000, 64))  # an emulated one counts too
+    assert backend.recorded_fault() is FaultKind.UCE
 
 
 def test_the_device_generator_is_saved_and_restored(load_torch_npu):

@@ -145,3 +145,49 @@ def test_a_torch_npu_without_reinit_warns_once_at_start_and_fails_the_round_clea
         assert res["outputs"] == h.expected_outputs(2, STEPS)[:2]
         assert "RecoveryError" in res["error"]["mro"]
         assert "torch.distributed.reinit_process_group" in res["error"]["message"]
+
+
+#: Where rank 1's device records a UCE: inside the weights of ``_harness.StandInMemory``.
+WEIGHTS_UCE = {"ptr": h.StandInMemory.WEIGHTS[1] + 0x400, "size": 256}
+
+
+def own_uce_while_stopped(tmp_path: Path, **scenario: Any) -> tuple[dict[str, Any], ...]:
+    """Rank 0's link breaks at step 3 while rank 1 waits in the collective; 0.1 s into that
+    wait, rank 1's device records a UCE in the weights, which nothing raises: the stop for
+    rank 0's fault ends rank 1's step with FORCE STOP first."""
+    return tuple(run({"faults": [
+        fault(0, 3, "link", delay_s=0.6),
+        fault(1, 3, "uce", recorded_after_s=0.1, **WEIGHTS_UCE),
+    ], **scenario}, tmp_path))
+
+
+def test_a_stopped_rank_reports_and_repairs_the_uce_its_device_recorded(tmp_path):
+    r0, r1 = own_uce_while_stopped(tmp_path)
+    recovered(r0, r1)
+    assert r1["stops"][0]["error"].startswith("FORCE STOP.")  # the stop hid the UCE
+    # Rank 1 reported the UCE as its own fault, and the round reloaded its weights.
+    assert [(r["state"], r["kind"]) for r in r1["rounds"]] == [("failed", "uce")]
+    assert [(r["state"], r["kind"]) for r in r0["rounds"]] == [("failed", "link_break")]
+    assert r1["reloaded"] == [["model.norm.weight"]] and r0["reloaded"] == []
+    # It asked before restart_device repaired the memory and cleared the record.
+    asked = [c["call"] for c in r1["device"]["calls"]
+             if c["call"] in ("check_uce_in_memory", "_get_uce_addr", "restart_device")]
+    assert asked[-1] == "restart_device" and "_get_uce_addr" in asked[:-1]
+    assert [r["device_uce"] for r in r1["rebuilds"]] == [[WEIGHTS_UCE]]
+    assert r1["device"]["uce"] == []
+
+
+def test_without_the_question_the_restart_clears_the_record_and_nothing_is_reloaded(tmp_path):
+    r0, r1 = own_uce_while_stopped(tmp_path, recorded_fault_check=False)
+    # The harness's step has no weights to compute with, so its outputs still match: the
+    # damage is the repair that did not happen.
+    recovered(r0, r1)
+    assert [(r["state"], r["kind"]) for r in r1["rounds"]] == [("stopped", None)]
+    assert r1["reloaded"] == []
+    # The UCE was recorded when the round brought the device back, and the restart cleared
+    # it without anyone asking where it was.
+    assert [r["device_uce"] for r in r1["rebuilds"]] == [[WEIGHTS_UCE]]
+    calls = [c["call"] for c in r1["device"]["calls"]]
+    assert "restart_device" in calls and "_get_uce_addr" not in calls
+    assert "check_uce_in_memory" not in calls
+    assert r1["device"]["uce"] == []

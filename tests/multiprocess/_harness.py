@@ -34,7 +34,11 @@ the next RPC), ``exit_barrier_s`` and ``debug``.
   is an ``hccl`` group (the stand-in's HCCL over gloo), the cpu group gloo, and the
   communicator has the ``all_reduce`` of vLLM-Ascend's. Extra fault actions: ``device_error``
   (``text``: the device raises it until restarted) and ``uce`` (``ptr``, ``size``: the
-  device reports a memory error there).
+  device reports a memory error there; with ``recorded_after_s``, the device records it that
+  long after, from another thread, while the rank goes on into the collective). The rank's
+  memory is ``StandInMemory`` (weights and KV blocks at made-up addresses); the repairs a
+  round decides are recorded (``reloaded``, ``kv_lost``). ``recorded_fault_check: false``
+  cripples the question a stopped rank asks its device (``Backend.recorded_fault``).
 * ``cuda``: ``CudaBackend`` over gloo device groups (``device_backend="gloo"``): its
   host-waited collectives, stop, abort and rebuild run for real, without a GPU.
 
@@ -243,6 +247,29 @@ class RecordingState:
         raise AssertionError("before_attempt runs only while repair_pending")
 
 
+class StandInMemory:
+    """Stands in for ``ftkit.vllm.memory.RunnerMemory``: one parameter and a few KV blocks
+    at made-up device addresses."""
+
+    WEIGHTS = ("model.norm.weight", 0x7F00_0000_0000, 1 << 20)
+    KV_BASE, KV_BLOCK, KV_BLOCKS = 0x7E00_0000_0000, 1 << 16, 16
+
+    def classify(self, faults: list[Any]) -> Any:
+        from types import SimpleNamespace
+
+        hits = SimpleNamespace(kv_blocks=set(), params=set(), other=0)
+        name, start, size = self.WEIGHTS
+        for fault in faults:
+            block = (fault.address - self.KV_BASE) // self.KV_BLOCK
+            if start <= fault.address < start + size:
+                hits.params.add(name)
+            elif 0 <= block < self.KV_BLOCKS:
+                hits.kv_blocks.add(block)
+            else:
+                hits.other += 1
+        return hits
+
+
 class DyingChannel:
     """The main thread's side channel of a rank that dies in a round before reporting."""
 
@@ -277,7 +304,7 @@ class Rig:
 
         from ftkit.backends.cpu import CpuBackend
         from ftkit.config import RecoveryConfig
-        from ftkit.recovery import SideChannels, assemble, side_channels
+        from ftkit.recovery import SideChannels, assemble, assess_damage, side_channels
 
         self.rank = rank
         self.world = world
@@ -331,12 +358,18 @@ class Rig:
         if any(f["action"] == "exit_before_report" for f in self.faults):
             channels = SideChannels(DyingChannel(channels.main, self), channels.for_monitor)
         self.state = RecordingState()
+        self.record["reloaded"], self.record["kv_lost"] = [], []
+        memory = StandInMemory()
+        if not scenario.get("recorded_fault_check", True):
+            self.backend.recorded_fault = lambda: None
         config = RecoveryConfig(enabled=True,
                                 max_reinference=int(scenario.get("max_reinference", 3)),
                                 round_timeout_s=self.round_timeout_s)
         self.recovery = assemble(rank=rank, world=world, channels=channels,
                                  backend=self.backend, state=self.state, config=config,
-                                 hooks=[self], on_round=self._on_round)
+                                 hooks=[self], on_round=self._on_round,
+                                 assess=lambda kind: assess_damage(kind, self.backend, memory),
+                                 repairs=self._repairs)
 
     # --- the StepHook protocol ------------------------------------------------------------
 
@@ -360,12 +393,26 @@ class Rig:
         def recording_recover_device(kinds: tuple[str, ...]) -> None:
             self.record["rebuilds"].append({"thread": threading.current_thread().name,
                                             "kinds": list(kinds), "at": time.time()})
+            if self.backend_kind == "ascend":
+                from torch_npu import _standin
+
+                # What the device still records when the round brings it back.
+                self.record["rebuilds"][-1]["device_uce"] = list(_standin.DEVICE.uce)
             if self.armed_exit == "exit_in_rebuild":
                 self.write()
                 os._exit(EXIT_IN_REBUILD)
             recover_device(kinds)
 
         self.backend.recover_device = recording_recover_device
+
+    def _repairs(self, decision: Any) -> None:
+        """What the worker repairs after a round (``ftkit.vllm.worker``), recorded."""
+        own = decision.status_of(self.rank)
+        if own is not None and own.reload_params:
+            self.record["reloaded"].append(list(own.reload_params))
+        if decision.kv_lost or decision.kv_lost_all:
+            self.record["kv_lost"].append("all" if decision.kv_lost_all
+                                          else list(decision.kv_lost))
 
     def _on_round(self, outcome: Any) -> None:
         status, decision = outcome.status, outcome.decision
@@ -407,7 +454,11 @@ class Rig:
             elif action == "uce":
                 from torch_npu import _standin
 
-                _standin.inject_uce(f["ptr"], f["size"])
+                if f.get("recorded_after_s") is None:
+                    _standin.inject_uce(f["ptr"], f["size"])
+                else:
+                    threading.Timer(f["recorded_after_s"], _standin.inject_uce,
+                                    (f["ptr"], f["size"])).start()
             else:
                 raise AssertionError(f"unknown fault action {action!r}")
 

@@ -146,7 +146,7 @@ def test_minimal_scenario_takes_the_documented_defaults():
     assert (scenario.recovery.enabled, scenario.recovery.max_reinference) == (True, 3)
     assert scenario.expect.model_dump() == {
         "outcome": "recovered", "tokens": "identical", "max_recovery_s": 10.0,
-        "timeout_s": 300.0}
+        "timeout_s": 300.0, "logprob_tolerance": 0.0}
     assert scenario.description == ""
 
 
@@ -375,7 +375,7 @@ def test_request_must_exist(tmp_path):
     text = replace_line(BASE, 14, "      request: 3")
     [(line, field, message)] = problems(write(tmp_path, text))
     assert (line, field) == (14, "faults[0].at.request")
-    assert "3 prompt(s)" in message
+    assert "3 request(s)" in message
 
 
 def test_token_must_be_computed(tmp_path):
@@ -434,8 +434,6 @@ def test_bad_params_file_points_at_the_second_fault():
      "faults[0].params.target", "input should be 'rank' or 'engine'"),
     ("{kind: process_kill, rank: 0, at: {request: 0, token: 2}, times: 2}",
      "faults[0].times", "a killed process fails no further attempt"),
-    ("{kind: uce, rank: 0, at: {request: 0, token: 2}, phase: sample, "
-     "params: {region: activation}}", "faults[0].phase", "only the forward recomputes"),
     ("{kind: uce, rank: 0, at: {request: 0, token: 0}, phase: before}",
      "faults[0].at.token", "holds no KV block"),
 ])
@@ -520,7 +518,8 @@ def test_load_scenarios_reports_every_bad_file():
     with pytest.raises(ScenarioErrors) as info:
         load_scenarios([DATA / "bad"])
     files = {Path(e.file).name for e in info.value.errors}
-    assert files == {"many_problems.yaml", "bad_params.yaml", "syntax.yaml"}
+    assert files == {"many_problems.yaml", "bad_params.yaml", "syntax.yaml",
+                     "sampling_refused.yaml", "sampling_rules.yaml", "sampling_types.yaml"}
 
 
 def test_load_scenarios_rejects_a_name_used_twice(tmp_path):
