@@ -135,15 +135,68 @@ class Verdict(str, enum.Enum):
         return self.value
 
 
+# The fields ``ftkit.verify`` compares, by ``RequestOutput``'s names: the values of
+# ``RequestComparison.diverged_field``.
+TOKEN_IDS = "token_ids"
+LOGPROBS = "logprobs"
+TOP_LOGPROBS = "top_logprobs"
+PROMPT_LOGPROBS = "prompt_logprobs"
+FINISH_REASON = "finish_reason"
+STOP_REASON = "stop_reason"
+TEXT = "text"
+
+
 @dataclass
 class RequestComparison:
+    """One completion of the run against the baseline's: its token ids, and the first field
+    that differs (``ftkit.verify`` decides which fields are compared, and in what order).
+
+    ``diverged_field`` names the first difference by ``RequestOutput``'s field names
+    (``token_ids``, ``logprobs``, ``top_logprobs``, ``prompt_logprobs``, ``finish_reason``,
+    ``stop_reason``, ``text``); ``position`` is where it is: a token index (token ids,
+    logprobs, top-k logprobs), a prompt position (prompt logprobs), a character (text), or
+    None (finish and stop reason, missing prompt logprobs). ``expected_value`` and
+    ``actual_value`` are the two values there (for top-k and prompt logprobs the whole
+    position's ``[token id, logprob]`` pairs; for text a few characters around the
+    difference), ``detail`` the sentence that names it."""
+
     index: int
     expected: list[int]
     actual: list[int]
-    #: First token index where the streams differ (a missing token counts), else None.
+    #: First token index where the token ids differ (a missing token counts), else None.
     first_divergence: int | None
     #: When each actual token arrived, seconds after the workload was submitted.
     actual_times: list[float] = field(default_factory=list)
+    #: Which completion of the request (``RequestOutput.sample``), and how many it has.
+    sample: int = 0
+    samples: int = 1
+    diverged_field: str | None = None
+    position: int | None = None
+    expected_value: Any = None
+    actual_value: Any = None
+    detail: str | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(request, sample), as ``RequestOutput.key``."""
+        return (self.index, self.sample)
+
+    @property
+    def name(self) -> str:
+        """``request 2``, or ``request 2 sample 1`` for a request with several completions."""
+        several = self.samples > 1 or self.sample != 0
+        return f"request {self.index}" + (f" sample {self.sample}" if several else "")
+
+    @property
+    def beyond_token_ids(self) -> bool:
+        """True when the first difference is in a field other than the token ids (its two
+        values say more than the tokens around it)."""
+        return self.diverged_field not in (None, TOKEN_IDS)
+
+    @property
+    def matches(self) -> bool:
+        """True when nothing compared differs (older journals know token ids only)."""
+        return self.diverged_field is None and self.first_divergence is None
 
 
 @dataclass
@@ -172,11 +225,16 @@ class ScenarioResult:
 
     @property
     def first_divergence(self) -> tuple[int, int] | None:
-        """(request index, token index) of the earliest divergence, if any."""
+        """(request index, token index) of the first request whose token ids diverge, if any."""
         for r in self.requests:
             if r.first_divergence is not None:
                 return (r.index, r.first_divergence)
         return None
+
+    @property
+    def first_mismatch(self) -> RequestComparison | None:
+        """The first completion that differs from the baseline in any compared field."""
+        return next((r for r in self.requests if not r.matches), None)
 
     @property
     def reinferences(self) -> int:

@@ -79,8 +79,10 @@ def error_lines(message: str) -> list[Text]:
 def verdict_table(results: Sequence[ScenarioResult]) -> Table:
     """One row per scenario, the columns of ``ftkit.report.table.TABLE_COLUMNS``.
 
-    Columns: scenario, verdict, requests, tokens (compared), divergence (the first, as
-    "req R tok T"), faults (fired/planned), re-inferences, recovery (total seconds).
+    Columns: scenario, verdict, requests, tokens (compared), divergence (the first
+    difference, as "req R tok T" for a token id, with the field named for another:
+    ``ftkit.report.table.divergence_label``), faults (fired/planned), re-inferences,
+    recovery (total seconds).
     """
     table = Table(title="ftkit verdicts", title_justify="left")
     name_header, verdict_header, *number_headers = TABLE_COLUMNS

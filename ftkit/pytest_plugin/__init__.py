@@ -40,7 +40,10 @@ then top to bottom. Fixtures:
 * ``ftkit_injector`` (function): a :class:`FaultInjector` that runs every ``generate`` call
   under the test's ``ftkit_fault`` markers and keeps what ftkit recorded for the last call.
 * ``ftkit_baseline`` (function): ``ftkit_baseline(prompts, max_tokens=...)`` gives the
-  fault-free tokens of the same workload on the same engine (an empty fault plan).
+  fault-free tokens of the same workload on a plain vLLM engine with the same settings:
+  ftkit's recovery engine is not in it, so the oracle never depends on the code under test.
+  One such engine per model and size, started on first use (its engine core in a process of
+  its own) and closed at the end of the session; each workload's tokens are kept for it.
 
 **Settings**, with one precedence: ``ftkit_settings`` marker > command line > ini >
 environment > default (each as marker keyword: option, ini key, environment variable):
@@ -79,9 +82,10 @@ import pytest
 
 # The fixtures are registered by being names of this module (the pytest11 entry point).
 from ftkit.pytest_plugin.injector import (  # noqa: F401
+    FaultFreeRuns,
     FaultInjector,
     GenerateRecord,
-    _ftkit_baselines,
+    _ftkit_fault_free,
     fault_plan,
     ftkit_baseline,
     ftkit_engine,
@@ -145,8 +149,8 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> ScenarioFi
 
 
 __all__ = [
-    "FaultInjector", "GenerateRecord", "fault_plan", "ftkit_engine", "ftkit_injector",
-    "ftkit_baseline", "ScenarioVerdict", "ScenarioFailed", "ScenarioNotJudged", "ScenarioFile",
+    "FaultFreeRuns", "FaultInjector", "GenerateRecord", "fault_plan", "ftkit_engine",
+    "ftkit_injector", "ftkit_baseline", "ScenarioVerdict", "ScenarioFailed", "ScenarioNotJudged", "ScenarioFile",
     "ScenarioItem", "describe_result", "is_scenario_file", "looks_like_scenario",
     "FtkitSettingError", "FtkitSettings", "Setting", "SETTINGS", "resolve_setting",
     "resolve_settings",

@@ -1,10 +1,11 @@
 """Fault injection in a downstream project's own tests: the ``ftkit_fault`` markers, the
-``FaultInjector`` and the fixtures ``ftkit_engine``, ``ftkit_injector`` and ``ftkit_baseline``
-(see the package docstring)."""
+``FaultInjector``, the fault-free runs on plain engines (``FaultFreeRuns``) and the fixtures
+``ftkit_engine``, ``ftkit_injector`` and ``ftkit_baseline`` (see the package docstring)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # imported lazily: the plugin loads in every pytest run
     from ftkit.contracts.eventlog import FaultFired
     from ftkit.contracts.job import SamplingSpec
     from ftkit.results import FaultRecord, RecoveryRecord
-    from ftkit.scenario import FaultSpec
+    from ftkit.scenario import EngineSpec, FaultSpec
     from ftkit.vllm.engine import EngineSession
     from ftkit.vllm.workload import GenerateResult
 
@@ -47,11 +48,75 @@ class GenerateRecord:
     rounds: list[RecoveryRecord]
 
 
+class FaultFreeRuns:
+    """The session's fault-free runs, each on a plain vLLM engine: ftkit's recovery engine is
+    not in it, so a fault-free run never depends on the code under test (as the scenario
+    runner's baseline). One plain engine per model and tensor parallel size, started on
+    first use with the settings of the engine under test, its engine core in a process of
+    its own (an in-process engine under test may live beside it), closed with the session;
+    the tokens of each workload are kept for the session."""
+
+    def __init__(self) -> None:
+        self.engines: dict[tuple[str, int], EngineSession] = {}
+        #: Each workload's tokens, by its engine settings, prompts and sampling (as JSON).
+        self._tokens: dict[str, list[list[int]]] = {}
+
+    def tokens(self, spec: EngineSpec, prompts: list[str], sampling: SamplingSpec, *,
+               timeout_s: float) -> list[list[int]]:
+        """Each request's fault-free token ids; a failed or timed-out run fails the test."""
+        key = json.dumps([spec.model, spec.tensor_parallel_size, prompts,
+                          sampling.to_mapping()], sort_keys=True)
+        if key not in self._tokens:
+            out = self._run(spec, prompts, sampling, timeout_s)
+            self._tokens[key] = [r.token_ids for r in out.requests]
+        return [list(tokens) for tokens in self._tokens[key]]
+
+    def engine_for(self, spec: EngineSpec) -> EngineSession:
+        """The plain engine for ``spec`` (the engine under test's settings), started if need
+        be."""
+        from ftkit.vllm.engine import EngineSession
+
+        key = (spec.model, spec.tensor_parallel_size)
+        engine = self.engines.get(key)
+        if engine is None or engine.dead is not None or engine.llm is None:
+            if engine is not None:
+                engine.close()
+            engine = self.engines[key] = EngineSession(spec, recovery=None,
+                                                       multiprocess=True).start()
+        return engine
+
+    def _run(self, spec: EngineSpec, prompts: list[str], sampling: SamplingSpec,
+             timeout_s: float) -> GenerateResult:
+        from ftkit.errors import RunTimeout
+
+        engine = _or_fail(lambda: self.engine_for(spec))
+        try:
+            out = engine.generate(prompts, sampling, deadline=time.monotonic() + timeout_s)
+        except RunTimeout:
+            self._drop(spec)
+            pytest.fail(f"ftkit: the fault-free run did not finish within {timeout_s:g} s "
+                        "(--ftkit-timeout)", pytrace=False)
+        if out.error is not None:
+            self._drop(spec)
+            pytest.fail(f"ftkit: the fault-free run failed: {out.error}", pytrace=False)
+        return out
+
+    def _drop(self, spec: EngineSpec) -> None:
+        engine = self.engines.pop((spec.model, spec.tensor_parallel_size), None)
+        if engine is not None:
+            engine.close()
+
+    def close(self) -> None:
+        engines, self.engines = list(self.engines.values()), {}
+        for engine in engines:
+            engine.close()
+
+
 class FaultInjector:
     """Runs workloads on an ftkit engine under a fixed fault plan (the test's markers)."""
 
     def __init__(self, engine: EngineSession, faults: Sequence[FaultSpec], *,
-                 timeout_s: float, baselines: dict[Any, list[list[int]]]) -> None:
+                 timeout_s: float, fault_free: FaultFreeRuns) -> None:
         from ftkit.contracts.plan import FaultPlan
 
         self.engine = engine
@@ -59,7 +124,8 @@ class FaultInjector:
         #: plans them for its own run id).
         self.plan = FaultPlan.from_specs(None, faults)
         self.timeout_s = timeout_s
-        self._baselines = baselines
+        #: Where ``baseline`` comes from: plain engines with this engine's settings.
+        self.fault_free = fault_free
         self.last: GenerateRecord | None = None
 
     def generate(self, prompts: list[str], *, max_tokens: int = 16, temperature: float = 0.0,
@@ -91,23 +157,14 @@ class FaultInjector:
 
     def baseline(self, prompts: list[str], *, max_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None) -> list[list[int]]:
-        """The fault-free tokens of the same workload on this engine (cached per session)."""
+        """The fault-free tokens of the same workload on a plain vLLM engine with this
+        engine's settings (``FaultFreeRuns``; cached per session)."""
         from ftkit.contracts.job import SamplingSpec
-        from ftkit.contracts.plan import FaultPlan
 
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 seed=seed)
-        key = (self.engine.spec.model, self.engine.spec.tensor_parallel_size, tuple(prompts),
-               sampling)
-        if key not in self._baselines:
-            _ensure_running(self.engine)
-            run_id = self.engine.new_run_id()
-            self.engine.set_fault_plan(FaultPlan(run_id))
-            out = self._run(prompts, sampling, run_id)
-            if out.error is not None:
-                pytest.fail(f"ftkit: the fault-free run failed: {out.error}", pytrace=False)
-            self._baselines[key] = [r.token_ids for r in out.requests]
-        return [list(tokens) for tokens in self._baselines[key]]
+        return self.fault_free.tokens(self.engine.spec, prompts, sampling,
+                                      timeout_s=self.timeout_s)
 
     def _run(self, prompts: list[str], sampling: SamplingSpec, run_id: str) -> GenerateResult:
         from ftkit.errors import RunTimeout
@@ -244,13 +301,17 @@ def ftkit_engine(request: pytest.FixtureRequest,
 
 
 @pytest.fixture(scope="session")
-def _ftkit_baselines() -> dict[Any, list[list[int]]]:
-    return {}
+def _ftkit_fault_free() -> Iterator[FaultFreeRuns]:
+    runs = FaultFreeRuns()
+    try:
+        yield runs
+    finally:
+        runs.close()
 
 
 @pytest.fixture
 def ftkit_injector(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                   _ftkit_baselines: dict[Any, list[list[int]]]) -> Iterator[FaultInjector]:
+                   _ftkit_fault_free: FaultFreeRuns) -> Iterator[FaultInjector]:
     """Runs ``generate`` under the test's ``ftkit_fault`` markers (see ``FaultInjector``)."""
     node = request.node
     faults = _or_fail(lambda: fault_plan(node))
@@ -265,7 +326,7 @@ def ftkit_injector(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
         engine = own_engine = _or_fail(
             lambda: _start_engine(mine, event_log, multiprocess=True))
     try:
-        yield FaultInjector(engine, faults, timeout_s=mine.timeout, baselines=_ftkit_baselines)
+        yield FaultInjector(engine, faults, timeout_s=mine.timeout, fault_free=_ftkit_fault_free)
     finally:
         if own_engine is not None:
             own_engine.close()
@@ -274,5 +335,6 @@ def ftkit_injector(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 @pytest.fixture
 def ftkit_baseline(ftkit_injector: FaultInjector) -> Callable[..., list[list[int]]]:
     """``ftkit_baseline(prompts, max_tokens=..., temperature=..., top_p=..., seed=...)``: the
-    fault-free tokens on ``ftkit_injector``'s engine."""
+    fault-free tokens of the workload on a plain vLLM engine (ftkit's recovery engine not in
+    it) with the settings of ``ftkit_injector``'s engine."""
     return ftkit_injector.baseline

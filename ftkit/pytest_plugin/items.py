@@ -157,7 +157,7 @@ def describe_result(result: ScenarioResult) -> str:
     from ftkit.verify import describe_divergence
 
     lines = [f"ftkit verdict {result.verdict}: {result.reason}"]
-    diverged = next((r for r in result.requests if r.first_divergence is not None), None)
+    diverged = result.first_mismatch
     if diverged is not None:
         lines.append(f"first divergence: {describe_divergence(diverged)}")
     for fault in result.faults:

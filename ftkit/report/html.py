@@ -3,8 +3,9 @@
 The page has no external reference (no script, stylesheet, font or image is fetched): the
 style is inline and each timeline is an inline SVG (see ``ftkit.report.timeline``). It can be
 kept as a CI artifact and opened anywhere. Per scenario it shows the reason, the engine's
-error, the timeline, the faults, the recovery rounds and, where a request diverged, the
-expected and actual tokens around the first divergent one. Every text from the run (names,
+error, the timeline, the faults, the recovery rounds and, where a completion differs from the
+baseline, the first difference: its field and the two values there, and the expected and
+actual tokens around the first divergent token. Every text from the run (names,
 reasons, errors) is escaped.
 """
 
@@ -198,19 +199,29 @@ def _recoveries_table(result: ScenarioResult) -> str:
 
 
 def _divergence(result: ScenarioResult) -> str:
-    diverged = next((r for r in result.requests if r.first_divergence is not None), None)
+    """The first completion that differs: the sentence, the field that differs with its two
+    values (for a field other than the token ids), and the token ids around the first that
+    differs (if one does)."""
+    diverged = result.first_mismatch
     if diverged is None:
         return ""
-    around = tokens_around(diverged)
-    rows = []
-    for label, column in (("expected", 1), ("actual", 2)):
-        cells = [f'<th class="text">{label}</th>']
-        cells += [f"<td{_diverged(row[0], diverged.first_divergence)}>{_e(row[column])}</td>"
-                  for row in around]
-        rows.append(f"<tr>{''.join(cells)}</tr>")
-    headers = ("token", *(str(row[0]) for row in around))
-    return (f"<h3>Divergence</h3>\n<p>{_e(describe_divergence(diverged))}</p>\n"
-            + _table(headers, rows, text={0}))
+    parts = ["<h3>Divergence</h3>", f"<p>{_e(describe_divergence(diverged))}</p>"]
+    if diverged.beyond_token_ids:
+        position = NONE if diverged.position is None else str(diverged.position)
+        parts.append(_table(("field", "position", "expected", "actual"), [_row(
+            [diverged.diverged_field, position, repr(diverged.expected_value),
+             repr(diverged.actual_value)], text={0, 2, 3})], text={0, 2, 3}))
+    if diverged.first_divergence is not None:
+        around = tokens_around(diverged)
+        rows = []
+        for label, column in (("expected", 1), ("actual", 2)):
+            cells = [f'<th class="text">{label}</th>']
+            cells += [f"<td{_diverged(row[0], diverged.first_divergence)}>{_e(row[column])}"
+                      "</td>" for row in around]
+            rows.append(f"<tr>{''.join(cells)}</tr>")
+        headers = ("token", *(str(row[0]) for row in around))
+        parts.append(_table(headers, rows, text={0}))
+    return "\n".join(parts)
 
 
 # --- small HTML helpers ---------------------------------------------------------------------

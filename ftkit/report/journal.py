@@ -19,7 +19,11 @@ Layout (``version`` 1; a reader may rely on these keys, more may be added)::
                      "block_size", "seed", "args"},
           "sampling": {"max_tokens", "temperature", "top_p", "seed"},
           "first_divergence": {"request": 0, "token": 12} | null,
-          "requests": [{"index", "expected", "actual", "first_divergence", "actual_times"}],
+          "first_mismatch": {"request", "sample", "field", "position", "expected", "actual",
+                             "detail"} | null,
+          "requests": [{"index", "sample", "samples", "expected", "actual",
+                        "first_divergence", "actual_times", "diverged_field", "position",
+                        "expected_value", "actual_value", "detail"}],
           "faults": [{"kind", "rank", "request", "token", "phase", "times", "fired",
                       "fired_at": {"request", "token", "step"} | null,
                       "attempts", "recovered", "recovery_s", "restart_s", "at_s"}],
@@ -30,12 +34,20 @@ Layout (``version`` 1; a reader may rely on these keys, more may be added)::
       ]
     }
 
+``first_divergence`` is the first token id that differs; ``first_mismatch`` the first
+difference in any compared field (token ids, logprobs, top-k logprobs, prompt logprobs,
+finish reason, stop reason, text; ``ftkit.verify``), with the two values there and the
+sentence that names it. Each entry of ``requests`` is one completion (``sample`` tells those
+of a request with ``n > 1`` apart): its token ids in full, and of the other fields only the
+values at its first difference (``diverged_field`` ... ``detail``, all ``null`` when it
+matches), so that a report stays small however many logprobs a workload asks for.
 ``summary`` counts the scenarios that ran; ``skipped`` lists those that did not (``--fail-fast``
 stopped the run, or it was interrupted). ``overrides`` holds the fields ``ftkit run --set`` (or
 ``--set-file``) set in every scenario, in the order applied (``{}`` without any; journals that
 predate it lack the key); each scenario's ``engine`` and ``sampling`` show the values it ran
-with. Times (``actual_times``, ``at_s``) are seconds since the workload was submitted. ``results_from_report`` and ``skipped_from_report`` turn a loaded journal
-back into result objects, so every other report can be rendered again from a saved journal.
+with. Times (``actual_times``, ``at_s``) are seconds since the workload was submitted.
+``results_from_report`` and ``skipped_from_report`` turn a loaded journal back into result
+objects, so every other report can be rendered again from a saved journal.
 
 ``environment_info`` reads installed versions from package metadata only: it never imports
 vLLM or torch, so writing a report is cheap and safe in any process.
@@ -56,6 +68,7 @@ from typing import Any
 
 from ftkit.errors import FtkitError
 from ftkit.results import (
+    TOKEN_IDS,
     FaultRecord,
     FiredAt,
     RecoveryRecord,
@@ -63,6 +76,7 @@ from ftkit.results import (
     ScenarioResult,
     Verdict,
 )
+from ftkit.verify import describe_divergence
 
 __all__ = [
     "REPORT_VERSION",
@@ -139,6 +153,14 @@ def scenario_dict(result: ScenarioResult) -> dict[str, Any]:
     entry["first_divergence"] = (
         None if divergence is None else {"request": divergence[0], "token": divergence[1]}
     )
+    mismatch = result.first_mismatch
+    entry["first_mismatch"] = None if mismatch is None else {
+        "request": mismatch.index, "sample": mismatch.sample,
+        "field": mismatch.diverged_field or TOKEN_IDS,
+        "position": (mismatch.position if mismatch.diverged_field is not None
+                     else mismatch.first_divergence),
+        "expected": mismatch.expected_value, "actual": mismatch.actual_value,
+        "detail": describe_divergence(mismatch)}
     return entry
 
 

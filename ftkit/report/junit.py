@@ -7,7 +7,7 @@ Layout (the common JUnit schema that Jenkins, GitLab and GitHub reporters read):
         <properties>  environment: ftkit, vllm, torch, python, platform versions;
                       "override.<field>" for each field ftkit run --set overrode
         <testcase classname="ftkit.<file stem>" name="<scenario>" time="<duration_s>">
-          <failure message="<reason>" type="fail">      verdict fail, first divergence in the text
+          <failure message="<reason>" type="fail">      verdict fail, first difference in the text
           <error message="<reason>" type="not_applied"> verdict not_applied (never a pass)
           <error message="<reason>" type="error">       verdict error
           <skipped message="<why>"/>                    not run (--fail-fast, interrupt)
@@ -112,16 +112,23 @@ def _case(name: str, file: str, duration_s: float) -> ET.Element:
 
 
 def _failure_text(result: ScenarioResult) -> str:
-    """The reason, the first divergence with the tokens around it, and the engine's error."""
+    """The reason, the first difference (its field, position and values, and the tokens
+    around the first divergent token), and the engine's error."""
     lines = [result.reason]
-    diverged = next((r for r in result.requests if r.first_divergence is not None), None)
+    diverged = result.first_mismatch
     if diverged is not None:
-        around = tokens_around(diverged)
-        width = max(len(cell) for row in around for cell in (str(row[0]), row[1], row[2]))
         if describe_divergence(diverged) not in result.reason:
             lines.append(describe_divergence(diverged))
-        for label, column in (("token   ", 0), ("expected", 1), ("actual  ", 2)):
-            lines.append(label + " " + " ".join(f"{row[column]!s:>{width}}" for row in around))
+        if diverged.beyond_token_ids:
+            position = "" if diverged.position is None else f" at {diverged.position}"
+            lines.append(f"{diverged.diverged_field}{position}: expected "
+                         f"{diverged.expected_value!r}, actual {diverged.actual_value!r}")
+        around = tokens_around(diverged)
+        if around:
+            width = max(len(cell) for row in around for cell in (str(row[0]), row[1], row[2]))
+            for label, column in (("token   ", 0), ("expected", 1), ("actual  ", 2)):
+                lines.append(label + " " + " ".join(f"{row[column]!s:>{width}}"
+                                                    for row in around))
     if result.error:
         lines.append(f"engine error: {result.error}")
     return "\n".join(lines)

@@ -1,16 +1,29 @@
 """What every report shows of a scenario, shared by the CLI, JUnit and HTML reports.
 
 The verdict table has one row per scenario: scenario, verdict, requests, tokens (compared),
-divergence (the first, as "req R tok T"), faults (fired/planned), re-inferences, recovery
-(total seconds). Around it: fault labels and descriptions, and the tokens around a divergence.
+divergence (the first difference from the baseline: "req R tok T" for a token id, with the
+field named for another, as "req R tok T logprob"; see ``divergence_label``), faults
+(fired/planned), re-inferences, recovery (total seconds). Around it: fault labels and
+descriptions, and the tokens around a divergence.
 """
 
 from __future__ import annotations
 
-from ftkit.results import FaultRecord, RequestComparison, ScenarioResult, Verdict
+from ftkit.results import (
+    FINISH_REASON,
+    LOGPROBS,
+    PROMPT_LOGPROBS,
+    STOP_REASON,
+    TEXT,
+    TOP_LOGPROBS,
+    FaultRecord,
+    RequestComparison,
+    ScenarioResult,
+    Verdict,
+)
 
-__all__ = ["NONE", "TABLE_COLUMNS", "describe_fault", "fault_label", "table_cells",
-           "tokens_around", "verdict_label"]
+__all__ = ["NONE", "TABLE_COLUMNS", "describe_fault", "divergence_label", "fault_label",
+           "table_cells", "tokens_around", "verdict_label"]
 
 TABLE_COLUMNS = ("scenario", "verdict", "requests", "tokens", "divergence", "faults",
                  "re-inferences", "recovery")
@@ -33,18 +46,47 @@ def verdict_label(verdict: Verdict | str) -> str:
 
 def table_cells(result: ScenarioResult) -> tuple[str, ...]:
     """The row of one scenario, one string per entry of ``TABLE_COLUMNS``."""
-    divergence = result.first_divergence
+    diverged = result.first_mismatch
     fired = sum(1 for f in result.faults if f.fired)
     return (
         result.name,
         verdict_label(result.verdict),
-        str(len(result.requests)),
+        str(len({r.index for r in result.requests})),  # a request with n > 1 counts once
         str(result.tokens_compared),
-        NONE if divergence is None else f"req {divergence[0]} tok {divergence[1]}",
+        NONE if diverged is None else divergence_label(diverged),
         f"{fired}/{len(result.faults)}",
         str(result.reinferences),
         f"{result.recovery_s:.3f} s" if result.recoveries else NONE,
     )
+
+
+#: How ``divergence_label`` names a field other than the token ids, after its position.
+_FIELD_LABELS = {
+    LOGPROBS: "logprob",
+    TOP_LOGPROBS: "top-k",
+    FINISH_REASON: "finish reason",
+    STOP_REASON: "stop reason",
+    TEXT: "text",
+}
+
+
+def divergence_label(comparison: RequestComparison) -> str:
+    """Where a completion first differs, in a few words: ``req 1 tok 9`` (token id), ``req 2
+    tok 14 logprob``, ``req 0 tok 3 top-k``, ``req 0 prompt 5`` (prompt logprobs), ``req 1
+    finish reason``, ``req 1 stop reason``, ``req 1 text``; a second sample of a request is
+    ``req 1 s1 ...``."""
+    request = f"req {comparison.index}"
+    if comparison.samples > 1 or comparison.sample:
+        request += f" s{comparison.sample}"
+    field = comparison.diverged_field
+    if not comparison.beyond_token_ids:
+        return f"{request} tok {comparison.first_divergence}"
+    if field == PROMPT_LOGPROBS:
+        return f"{request} prompt" + ("" if comparison.position is None
+                                      else f" {comparison.position}")
+    if field in (LOGPROBS, TOP_LOGPROBS):
+        request += f" tok {comparison.position}"
+    return f"{request} {_FIELD_LABELS.get(field, field)}"
 
 
 def tokens_around(comparison: RequestComparison, context: int = 3

@@ -5,8 +5,8 @@ the previous token of the same request (for a request's first token, since submi
 line with markers per request. Each fault that fired is a vertical line at the moment it first
 fired, labelled with its kind, rank and failing attempts; each recovery round is a shaded span
 from its start for its duration, and so is each engine restart after a killed process (from the
-kill to the resumption of the requests); the first divergent token of a request is marked with
-a cross.
+kill to the resumption of the requests); the first divergent token of a request, or the first
+token whose logprobs drifted if that comes earlier, is marked with a cross.
 
 Token times are taken where the engine hands tokens back, so tokens delivered by one engine step
 share a time and all but the first show a latency of 0.
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ftkit.report.table import fault_label
-from ftkit.results import RequestComparison, ScenarioResult
+from ftkit.results import LOGPROBS, TOP_LOGPROBS, RequestComparison, ScenarioResult
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -39,6 +39,9 @@ NO_MATPLOTLIB = ("The timeline figure needs matplotlib, which is not installed h
 
 #: Above this many requests the legend is left out (it would hide the plot).
 MAX_LEGEND_REQUESTS = 10
+
+#: How a logprob difference is marked, by ``RequestComparison.diverged_field``.
+_DRIFTS = {LOGPROBS: "logprob drift", TOP_LOGPROBS: "top-k drift"}
 
 _FAULT_COLOR = "#c62828"
 _RECOVERY_COLOR = "#fb8c00"
@@ -82,7 +85,7 @@ def timeline_svg(result: ScenarioResult) -> str | None:
         axes = figure.subplots()
         for request in timed:
             axes.plot(request.actual_times, token_latencies(request.actual_times),
-                      marker="o", markersize=2.5, linewidth=0.9, label=f"request {request.index}")
+                      marker="o", markersize=2.5, linewidth=0.9, label=request.name)
         _mark_recoveries(axes, result)
         _mark_faults(axes, result)
         for request in timed:
@@ -123,7 +126,10 @@ def _mark_faults(axes: Axes, result: ScenarioResult) -> None:
 
 
 def _mark_divergence(axes: Axes, request: RequestComparison) -> None:
-    index = request.first_divergence
+    index, what = request.first_divergence, "divergence"
+    # A logprob that drifted before any token id differs is the first difference to see.
+    if request.diverged_field in _DRIFTS and request.position is not None:
+        index, what = request.position, _DRIFTS[request.diverged_field]
     if index is None:
         return
     times = request.actual_times
@@ -132,7 +138,7 @@ def _mark_divergence(axes: Axes, request: RequestComparison) -> None:
     latency = token_latencies(times)[shown]
     axes.plot([times[shown]], [latency], marker="X", markersize=11, color=_FAULT_COLOR,
               markeredgecolor="black", linestyle="none", zorder=5)
-    text = f"divergence: request {request.index} token {index}"
+    text = f"{what}: {request.name} token {index}"
     if shown != index:
         text += f" (stream ends at {len(times)})"
     axes.annotate(text, (times[shown], latency), xytext=(8, 8), textcoords="offset points",

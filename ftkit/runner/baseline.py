@@ -20,8 +20,10 @@ from ftkit.model.tiny import TINY, cache_root, recipe_digest
 from ftkit.results import RunOutput
 from ftkit.scenario.model import Scenario
 
-#: The version of the cache's key and entries (2: entries are ``JobResult``s).
-BASELINE_CACHE_VERSION = 2
+#: The version of the cache's key and entries (2: entries are ``JobResult``s; 3: their
+#: requests carry the logprobs, top-k and prompt logprobs, stop reason and text the oracle
+#: compares, so an entry without them is never used).
+BASELINE_CACHE_VERSION = 3
 
 
 def baseline_key(scenario: Scenario, model_dir: str) -> str:

@@ -162,6 +162,60 @@ def test_scenarios_are_collected_and_judged_on_xdist_workers(pytester):
     result.assert_outcomes(passed=1, failed=1, errors=1)
 
 
+# --- the fault-free baseline (stand-in engines, no vLLM) --------------------------------------
+
+STAND_IN_ENGINES = """
+import ftkit.vllm.engine
+from ftkit.results import RequestOutput
+from ftkit.vllm.workload import GenerateResult
+
+
+class StandInEngine:
+    \"\"\"Stands for EngineSession. With ftkit in it (``recovery``) it is crippled: even
+    without a fault its tokens are not a plain engine's.\"\"\"
+
+    def __init__(self, spec, *, recovery=None, multiprocess=None, leftovers_file=None):
+        self.spec, self.recovery, self.multiprocess = spec, recovery, multiprocess
+        self.llm = self.dead = None
+        self.runs = 0
+
+    def start(self):
+        self.llm = object()
+        return self
+
+    def close(self):
+        self.llm = None
+
+    def generate(self, prompts, sampling, *, run_id=None, deadline=None, **kwargs):
+        self.runs += 1
+        token = 7 if self.recovery is None else 666
+        return GenerateResult([RequestOutput(i, [token] * sampling.max_tokens)
+                               for i in range(len(prompts))], None, 0.1)
+
+
+ftkit.vllm.engine.EngineSession = StandInEngine
+"""
+
+BASELINE_TESTS = """
+def test_the_baseline_comes_from_a_plain_engine(ftkit_injector, ftkit_baseline):
+    assert ftkit_baseline(["a b", "c d"], max_tokens=3) == [[7, 7, 7], [7, 7, 7]]
+    assert ftkit_baseline(["a b", "c d"], max_tokens=3) == [[7, 7, 7], [7, 7, 7]]
+    [plain] = ftkit_injector.fault_free.engines.values()
+    assert plain.recovery is None and plain.multiprocess
+    assert plain.spec == ftkit_injector.engine.spec
+    assert plain.runs == 1  # kept for the session
+    assert ftkit_injector.engine.recovery is not None and ftkit_injector.engine.runs == 0
+"""
+
+
+def test_the_baseline_comes_from_a_plain_engine_never_the_engine_under_test(pytester):
+    pytester.makeconftest(STAND_IN_ENGINES)
+    pytester.makepyfile(test_baseline=BASELINE_TESTS)
+    pytester.makefile(".json", **{"model/config": "{}"})
+    result = pytester.runpytest_subprocess(f"--ftkit-model={pytester.path / 'model'}")
+    result.assert_outcomes(passed=1)
+
+
 # --- markers --------------------------------------------------------------------------------
 
 def test_markers_are_registered_for_strict_markers(pytester):
@@ -303,6 +357,8 @@ def test_recovered_tokens_equal_the_baseline(ftkit_injector, ftkit_baseline):
     tokens = ftkit_injector.generate(PROMPTS, max_tokens=16)
     assert ftkit_injector.error is None
     assert tokens == ftkit_baseline(PROMPTS, max_tokens=16)
+    # The fault-free tokens came from a plain engine, not the one under test.
+    assert [e.recovery for e in ftkit_injector.fault_free.engines.values()] == [None]
     assert len(tokens[0]) == 16
     assert [e.kind for e in ftkit_injector.fired] == ["oom"]
     assert ftkit_injector.faults[0].recovered

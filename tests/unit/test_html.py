@@ -9,6 +9,7 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 
+import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
@@ -231,3 +232,61 @@ def test_an_engine_restart_is_shaded_on_the_timeline():
     svg = timeline_svg(result)
     assert "engine restart and resumption" in svg
     assert "process_kill rank 1" in svg
+
+
+# --- a difference other than a token id ----------------------------------------------------
+
+def drifted() -> ScenarioResult:
+    """Request 0 sample 1 (of 2): one logprob off at token 2, then a token id at 5."""
+    from ftkit.results import RequestOutput
+    from ftkit.verify import compare_completion
+
+    expected = RequestOutput(index=0, sample=1, token_ids=list(range(8)),
+                             logprobs=[-0.5] * 8, token_times=times(8))
+    actual = RequestOutput(index=0, sample=1, token_ids=[0, 1, 2, 3, 4, 55, 6, 7],
+                           logprobs=[-0.5, -0.5, -0.5000001] + [-0.5] * 5,
+                           token_times=times(8))
+    comparison = compare_completion(expected, actual, samples=2)
+    return ScenarioResult(name="drift", file="d.yaml", verdict=Verdict.FAIL,
+                          reason=comparison.detail or "", duration_s=1.0,
+                          requests=[comparison])
+
+
+def test_a_logprob_drift_is_named_in_the_table_the_section_and_the_timeline():
+    page = html_report([drifted()])
+    assert verdict_rows(page)[1][4] == "req 0 s1 tok 2 logprob"
+    section = page[page.index("<h3>Divergence</h3>"):]
+    assert "<p>logprob drift at request 0 sample 1, token 2: -0.5 vs -0.5000001</p>" in section
+    assert ('<tr><td class="text">logprobs</td><td>2</td><td class="text">-0.5</td>'
+            '<td class="text">-0.5000001</td></tr>') in section
+    # The token ids still differ later: the tokens around that one are shown too.
+    assert '<td class="diverged">55</td>' in section
+    [svg] = svgs(page)
+    assert "logprob drift: request 0 sample 1 token 2" in svg
+
+
+@pytest.mark.parametrize(("fields", "label"), [
+    ({"first_divergence": 9}, "req 1 tok 9"),
+    ({"first_divergence": 9, "diverged_field": "token_ids", "position": 9}, "req 1 tok 9"),
+    ({"diverged_field": "logprobs", "position": 14}, "req 1 tok 14 logprob"),
+    ({"diverged_field": "top_logprobs", "position": 3, "sample": 1, "samples": 2},
+     "req 1 s1 tok 3 top-k"),
+    ({"diverged_field": "prompt_logprobs", "position": 5}, "req 1 prompt 5"),
+    ({"diverged_field": "prompt_logprobs"}, "req 1 prompt"),
+    ({"diverged_field": "finish_reason"}, "req 1 finish reason"),
+    ({"diverged_field": "stop_reason"}, "req 1 stop reason"),
+    ({"diverged_field": "text", "position": 40}, "req 1 text"),
+])
+def test_the_divergence_cell_names_the_field(fields, label):
+    from ftkit.report.table import divergence_label
+
+    comparison = RequestComparison(index=1, expected=[1], actual=[1],
+                                   **{"first_divergence": None, **fields})
+    assert divergence_label(comparison) == label
+
+
+def test_a_request_with_several_completions_counts_once_in_the_table():
+    result = drifted()
+    result.requests.append(RequestComparison(index=0, expected=[1], actual=[1],
+                                             first_divergence=None, samples=2))
+    assert table_cells(result)[2] == "1"

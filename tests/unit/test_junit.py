@@ -159,3 +159,22 @@ def test_rendered_again_from_the_json_journal(tmp_path):
 def test_an_empty_run_is_a_valid_empty_suite(tmp_path):
     root = ET.parse(write_junit_report([], tmp_path / "j.xml")).getroot()
     assert root.get("tests") == "0" and list(root.iter("testcase")) == []
+
+
+def test_a_failure_on_a_finish_reason_names_the_field_and_both_values(tmp_path):
+    from ftkit.results import RequestOutput
+    from ftkit.verify import compare_completion
+
+    expected = RequestOutput(index=2, token_ids=[4, 5, 6], finish_reason="length",
+                             text="a b c")
+    actual = RequestOutput(index=2, token_ids=[4, 5, 6], finish_reason="stop", text="a b c")
+    comparison = compare_completion(expected, actual)
+    stopped = ScenarioResult(name="stops", file="s.yaml", verdict=Verdict.FAIL,
+                             reason=comparison.detail or "", duration_s=1.0,
+                             requests=[comparison])
+    path = write_junit_report([stopped], tmp_path / "r.xml")
+    failure = cases(ET.parse(path).getroot())["stops"].find("failure")
+    assert failure.get("message") == "finish reason differs at request 2: 'length' vs 'stop'"
+    # No token id differs: no tokens to show around one.
+    assert failure.text.splitlines() == [failure.get("message"),
+                                         "finish_reason: expected 'length', actual 'stop'"]

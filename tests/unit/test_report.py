@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import subprocess
@@ -69,8 +70,12 @@ def test_report_round_trip(tmp_path):
     assert ok["first_divergence"] is None
     assert ok["reinferences"] == 2
     assert ok["recovery_s"] == pytest.approx(0.12)
+    assert ok["first_mismatch"] is None
     assert ok["requests"] == [{"index": 0, "expected": [1, 2, 3], "actual": [1, 2, 3],
-                               "first_divergence": None, "actual_times": []}]
+                               "first_divergence": None, "actual_times": [], "sample": 0,
+                               "samples": 1, "diverged_field": None, "position": None,
+                               "expected_value": None, "actual_value": None,
+                               "detail": None}]
     fault = ok["faults"][0]
     assert fault["kind"] == "link_flap"
     assert fault["rank"] == 1
@@ -83,6 +88,11 @@ def test_report_round_trip(tmp_path):
     assert bad["verdict"] == "fail"
     assert bad["reason"].startswith("request 1 diverges at token 4")
     assert bad["first_divergence"] == {"request": 1, "token": 4}
+    # A comparison made before the other fields were compared names the token ids.
+    assert bad["first_mismatch"] == {"request": 1, "sample": 0, "field": "token_ids",
+                                     "position": 4, "expected": None, "actual": None,
+                                     "detail": "request 1 diverges at token 4: expected 5, "
+                                               "got 9"}
     assert bad["faults"][0]["rank"] == "all"
     assert bad["faults"][0]["fired_at"] is None
 
@@ -140,3 +150,42 @@ def test_reports_get_the_mode_of_any_new_file_under_the_umask(tmp_path, umask, m
     finally:
         os.umask(old)
     assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in paths} == {oct(mode)}
+
+
+def drifted() -> ScenarioResult:
+    """A real comparison: request 0 sample 1 (of 2) has one logprob one ulp off at token 2,
+    in a workload that asks for the top 20 of every position."""
+    from ftkit.results import RequestOutput
+    from ftkit.verify import compare_completion
+
+    top = [[[token, -0.5], *[[900 + rank, -3.0 - rank] for rank in range(19)]]
+           for token in range(8)]
+    expected = RequestOutput(index=0, sample=1, token_ids=list(range(8)),
+                             logprobs=[-0.5] * 8, top_logprobs=top)
+    actual = RequestOutput(index=0, sample=1, token_ids=list(range(8)),
+                           logprobs=[-0.5, -0.5, math.nextafter(-0.5, 0.0)] + [-0.5] * 5,
+                           top_logprobs=top)
+    comparison = compare_completion(expected, actual, samples=2)
+    return ScenarioResult(name="drift", file="d.yaml", verdict=Verdict.FAIL,
+                          reason=comparison.detail or "", duration_s=1.0,
+                          requests=[comparison])
+
+
+def test_the_journal_names_the_field_position_and_values_of_the_first_mismatch(tmp_path):
+    from ftkit.report import results_from_report
+
+    report = read_json_report(write_json_report([drifted()], tmp_path / "r.json"))
+    [entry] = report["scenarios"]
+    assert entry["first_divergence"] is None  # the token ids match
+    assert entry["first_mismatch"] == {
+        "request": 0, "sample": 1, "field": "logprobs", "position": 2,
+        "expected": -0.5, "actual": math.nextafter(-0.5, 0.0),
+        "detail": f"logprob drift at request 0 sample 1, token 2: -0.5 vs "
+                  f"{math.nextafter(-0.5, 0.0)!r}"}
+    [request] = entry["requests"]
+    assert (request["diverged_field"], request["position"]) == ("logprobs", 2)
+    # The logprobs of the first difference, not the whole arrays of every position.
+    assert "logprobs" not in request and "top_logprobs" not in request
+    [back] = results_from_report(report)
+    assert back.first_mismatch.detail == entry["first_mismatch"]["detail"]
+    assert back.first_mismatch.actual_value == math.nextafter(-0.5, 0.0)
