@@ -47,6 +47,11 @@ class Workload:
             raise ValueError("submit_after_steps needs one entry per prompt")
         self.waiting = sorted(range(len(prompts)), key=lambda i: self.arrivals[i])
         self.prompt_token_ids: dict[int, list[int]] = {}
+        #: Each completion's text so far: what the lost engine had detokenized before a
+        #: restart, then what the current engine has (vLLM's text of a resumed request
+        #: covers only the tokens produced after the resume).
+        self._text_before: dict[tuple[int, int], str] = {}
+        self._text: dict[tuple[int, int], str] = {}
         self.finished: set[int] = set()
         #: Engine steps run for this workload, and output tokens taken (of ``total``).
         self.steps = 0
@@ -54,15 +59,21 @@ class Workload:
         self.total = sum(int(kw["max_tokens"]) * int(kw.get("n") or 1)
                          for kw in self.request_params)
 
-    def params(self, index: int, max_tokens: int | None = None) -> Any:
-        """vLLM's ``SamplingParams`` of request ``index`` (``max_tokens``: what is left of
-        it, for a resumed request). The sampled tokens' logprobs are always asked for: the
-        oracle compares them."""
+    def params(self, index: int, produced: int = 0) -> Any:
+        """vLLM's ``SamplingParams`` of request ``index``; for a request resumed after
+        ``produced`` output tokens, the budgets that count output tokens (``max_tokens``,
+        ``min_tokens``) count what is left, and no prompt logprobs are asked for. The sampled tokens' logprobs are always asked
+        for: the oracle compares them."""
         from vllm import SamplingParams
 
         kwargs = dict(self.request_params[index])
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
+        if produced:
+            kwargs["max_tokens"] = int(kwargs["max_tokens"]) - produced
+            if kwargs.get("min_tokens"):
+                kwargs["min_tokens"] = max(0, int(kwargs["min_tokens"]) - produced)
+            # Its prompt's logprobs were taken before the restart (and its prompt now ends
+            # with what it produced).
+            kwargs.pop("prompt_logprobs", None)
         if kwargs.get("logprobs") is None:
             kwargs["logprobs"] = 0
         return SamplingParams(**kwargs)
@@ -95,10 +106,11 @@ class Workload:
             req.token_times.extend([now] * len(new))
             self._take_logprobs(req, completion.logprobs, start, len(new))
             self.done += len(new)
+            self._text[req.key] = self._text_before.get(req.key, "") + completion.text
             if finished or completion.finish_reason is not None:
                 req.finish_reason = completion.finish_reason
                 req.stop_reason = completion.stop_reason
-                req.text = completion.text
+                req.text = self._text[req.key]
         if finished:
             self.finished.add(ref.index)
 
@@ -141,9 +153,10 @@ class Workload:
             if produced == 0 or prompt_ids is None:
                 engine.add_request(request_id(self.run_id, i), self.prompts[i], self.params(i))
             else:
+                self._text_before[req.key] = self._text.get(req.key, "")
                 prompt = TokensPrompt(prompt_token_ids=prompt_ids + req.token_ids)
                 engine.add_request(request_id(self.run_id, i, offset=produced), prompt,
-                                   self.params(i, left))
+                                   self.params(i, produced))
             resumed.append(i)
         return resumed
 
