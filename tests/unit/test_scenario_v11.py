@@ -400,11 +400,27 @@ def test_a_process_kill_with_a_request_of_several_samples_is_refused():
     killed = with_lines(text, 12, "  - kind: process_kill")
     [(line, field, message)] = errors(killed)
     assert (line, field) == (12, "faults[0].kind")
-    assert "resuming requests with n > 1 is not supported yet" in message
+    assert "a resumed request with n 2 does not continue exactly yet" in message
     assert "workload.requests[1].sampling.n" in message
     # Without recovery nothing is resumed; and n > 1 with an in-place fault is fine.
     load(killed + "recovery: {enabled: false}\nexpect: {outcome: failed}\n")
     load(text)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("frequency_penalty", "0.5"), ("presence_penalty", "-0.2"), ("stop", "[river]"),
+    ("bad_words", "[mountain]")])
+def test_a_process_kill_with_a_feature_resume_does_not_continue_is_refused(field, value):
+    text = with_lines(BASE, 6, f"      sampling: {{{field}: {value}}}")
+    killed = with_lines(text, 12, "  - kind: process_kill")
+    [(line, where_, message)] = errors(killed)
+    assert (line, where_) == (12, "faults[0].kind")
+    assert f"a resumed request with {field} " in message
+    assert f"workload.requests[1].sampling.{field}" in message
+    load(text)  # the feature with an in-place fault is fine
+    # A zero penalty is no penalty.
+    if field.endswith("penalty"):
+        load(with_lines(killed, 6, f"      sampling: {{{field}: 0.0}}"))
 
 
 @pytest.mark.parametrize("arg, value, fix", [
