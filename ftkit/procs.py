@@ -14,23 +14,31 @@ and the pytest plugin (through the engine session). What a caller may rely on:
 * What killed processes leave in shared memory is found while they live
   (``shared_memory_files``) and removed once they are reaped (``remove_files``): a process
   killed with SIGKILL runs no clean-up of its own.
+* An owner that may itself be killed with SIGKILL (a ``pytest`` or script process that runs
+  engines in-process) starts a ``Watchdog``: a small process of its own that, when the owner
+  dies, kills the processes the owner noted (by pid and start time, no others) and removes
+  the files it noted. ``python -m ftkit.procs`` is that process.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
 
-from ftkit.bounds import DEATH_WATCH_POLL_S, PROCESS_POLL_S, REAP_GRACE_S
+from ftkit.bounds import DEATH_WATCH_POLL_S, OWNER_WATCH_POLL_S, PROCESS_POLL_S, REAP_GRACE_S
 
 log = logging.getLogger("ftkit")
 
@@ -68,10 +76,24 @@ def shared_memory_files(processes: Iterable[psutil.Process]) -> set[str]:
     found: set[str] = set()
     for proc in processes:
         try:
-            found.update(m.path for m in proc.memory_maps() if m.path.startswith(SHM_DIR))
+            found.update(_mapped_shared_memory(proc))
             found.update(f.path for f in proc.open_files() if f.path.startswith(SHM_DIR))
-        except psutil.Error:
+        except (psutil.Error, OSError):
             continue  # gone, or not ours to read: it holds nothing we can name
+    return found
+
+
+def _mapped_shared_memory(proc: psutil.Process) -> set[str]:
+    """The files under ``SHM_DIR`` that ``proc`` maps, from ``/proc/PID/maps`` (psutil's
+    ``memory_maps`` reads ``smaps`` and its page counts, tens of times slower on an engine
+    process; this is looked at while an engine starts)."""
+    found = set()
+    with open(f"/proc/{proc.pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+            if path.startswith(SHM_DIR) and not path.endswith(" (deleted)"):
+                found.add(path)
     return found
 
 
@@ -219,3 +241,132 @@ class DeathWatch:
             if self._on_death is not None:
                 self._on_death(dead.pid)
             return
+
+
+@contextmanager
+def polling(every_s: float, look: Callable[[], None]) -> Iterator[None]:
+    """Call ``look()`` every ``every_s`` seconds from a thread of its own while the block runs
+    (the block's thread must leave alone what ``look`` changes until the block ends)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            look()
+
+    thread = threading.Thread(target=loop, name="ftkit-polling", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+class Watchdog:
+    """A process that cleans up after its owner (the process that starts it) when the owner
+    dies without cleaning up: killed with SIGKILL, or by a signal that runs no clean-up.
+
+    The owner notes the processes (``note_processes``: pid and start time) and the files or
+    folders (``note_paths``) to clean up in a record file, one JSON object a line. The
+    watchdog reads nothing while its owner lives; once the owner is gone (this process's
+    parent changed) it kills those of the noted processes that are still the same process,
+    waits for them, removes the noted paths and the record, and exits. An owner that cleans
+    up itself calls ``stop()`` once it has. The watchdog runs in a session of its own, so a
+    Ctrl-C at the owner's terminal does not reach it."""
+
+    def __init__(self, record: str) -> None:
+        self.record = record
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> Watchdog:
+        with open(self.record, "a"):
+            pass
+        # Standard output is not passed on: a caller may be waiting for its end (a pipe).
+        self._proc = spawn([sys.executable, "-m", "ftkit.procs", "--record", self.record,
+                            "--owner", str(os.getpid())],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        return self
+
+    def note_processes(self, procs: Iterable[psutil.Process]) -> None:
+        lines = []
+        for p in procs:
+            try:
+                lines.append({"pid": p.pid, "started": p.create_time()})
+            except psutil.Error:
+                continue  # gone already: nothing to kill
+        self._append(lines)
+
+    def note_paths(self, paths: Iterable[str]) -> None:
+        self._append({"path": path} for path in paths)
+
+    def _append(self, records: Iterable[dict[str, Any]]) -> None:
+        with open(self.record, "a") as out:
+            out.writelines(json.dumps(r) + "\n" for r in records)
+
+    def stop(self) -> None:
+        """End the watchdog (the owner has cleaned up) and remove its record."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            watchdog = identify(proc.pid)
+            if watchdog is not None:
+                reap([watchdog])
+            proc.wait(timeout=REAP_GRACE_S)
+        remove_files([self.record])
+
+
+def read_watch_record(record: str) -> tuple[list[psutil.Process], list[str]]:
+    """The processes of a ``Watchdog`` record that are still the processes noted (same pid
+    and start time) and the paths it lists; nothing for a record that is gone."""
+    processes: list[psutil.Process] = []
+    paths: list[str] = []
+    try:
+        with open(record) as lines:
+            text = lines.read()
+    except FileNotFoundError:
+        return [], []
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # the last line of an owner killed while it wrote it
+        if "path" in entry:
+            paths.append(entry["path"])
+            continue
+        proc = identify(entry["pid"])
+        try:
+            # psutil's start time of a process is the same float in every process.
+            if proc is not None and abs(proc.create_time() - entry["started"]) < 0.01:
+                processes.append(proc)
+        except psutil.Error:
+            continue
+    return processes, paths
+
+
+def watch_owner(record: str, owner_pid: int) -> int:
+    """The watchdog process: wait until the owner ``owner_pid`` (this process's parent) is
+    gone, then clean up what ``record`` lists."""
+    while os.getppid() == owner_pid:
+        time.sleep(OWNER_WATCH_POLL_S)
+    processes, paths = read_watch_record(record)
+    left = wait_gone(kill(processes))
+    if left:
+        log.warning("ftkit: processes %s of a dead owner did not end", [p.pid for p in left])
+    remove_files([*paths, record])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ftkit.procs",
+                                     description="An engine owner's watchdog (see Watchdog).")
+    parser.add_argument("--record", required=True, help="the owner's record file")
+    parser.add_argument("--owner", type=int, required=True, help="the owner's pid (the parent)")
+    args = parser.parse_args(argv)
+    return watch_owner(args.record, args.owner)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,9 @@
 lines and the ranks' fault and recovery events (read from the host's event log) to the front
 end, and reads each ``JobResult`` back. It owns the host and every process below it: ``close``
 (also after a timeout, on Ctrl-C or on failure) kills whatever of the tree survives, by pid and
-start time, including processes that were seen below the host once and reparented since.
+start time, including processes that were seen below the host once and reparented since. A
+host interrupted during a job (Ctrl-C) is killed at once: it reads no request before its job
+ends.
 """
 
 from __future__ import annotations
@@ -66,7 +68,13 @@ class HostClient:
         #: Every process seen below the host: one that the host left behind is reparented
         #: away from it, and is still found and killed by its pid and start time.
         self._descendants: set[psutil.Process] = set()
+        #: The shared memory the host and the processes below it map (the host's own
+        #: semaphores among them), removed once they are killed: a killed host's resource
+        #: tracker, killed with it, unlinks nothing.
+        self._shared_memory: set[str] = set()
         self._asked_exit = False
+        #: A job was sent and its end not yet seen.
+        self._in_job = False
 
     @property
     def alive(self) -> bool:
@@ -108,9 +116,12 @@ class HostClient:
         self._done.clear()
         self._seen_events = len(self._events())
         since = time.time()
+        self._in_job = True
         self.proc.stdin.write(HostRequest(str(job_path)).to_json() + "\n")
         self.proc.stdin.flush()
         timed_out = not self._wait(time.monotonic() + timeout_s)
+        # A job that timed out runs on in the host: ``close`` then kills it at once.
+        self._in_job = timed_out
         finished = result_path.is_file()
         if timed_out:
             self.close()  # nothing the host started survives a job it did not finish
@@ -147,7 +158,7 @@ class HostClient:
     def ask_exit(self) -> None:
         """Tell the host to close its engine and exit (``close`` waits for it)."""
         proc = self.proc
-        if proc is None or self._asked_exit:
+        if proc is None or self._asked_exit or self._in_job:
             return
         self._asked_exit = True
         try:
@@ -159,12 +170,15 @@ class HostClient:
 
     def close(self, deadline: float | None = None) -> None:
         """Ask the host to exit, wait for it until ``deadline`` (``HOST_EXIT_GRACE_S`` from
-        now by default), then make sure nothing it started survives."""
+        now by default), then make sure nothing it started survives. A host in the middle of
+        a job is not waited for."""
         proc = self.proc
         if proc is None:
             return
         if deadline is None:
             deadline = time.monotonic() + HOST_EXIT_GRACE_S
+        if self._in_job:
+            deadline = time.monotonic()
         try:
             self.ask_exit()
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -185,11 +199,16 @@ class HostClient:
             listed = self.work / LEFTOVERS_FILE
             if listed.is_file():
                 procs.remove_files(listed.read_text().splitlines())
+            procs.remove_files(self._shared_memory)
+            self._shared_memory = set()
             shutil.rmtree(self.work, ignore_errors=True)
+            self._in_job = False
 
     def _note_descendants(self) -> None:
         if self._root is not None:
             self._descendants.update(procs.descendants(self._root))
+            self._shared_memory |= procs.shared_memory_files(
+                [self._root, *(p for p in self._descendants if procs.alive(p))])
 
     def _read_progress(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None

@@ -10,6 +10,11 @@ there); both are removed once the processes are reaped: a killed engine (a ``pro
 fault, a restart, a host killed with its front end) would leave them behind for good, 8 MB
 per engine at tensor parallel 2 and more for larger ones.
 
+The process that owns the session may itself be killed with SIGKILL (a ``pytest`` run or a
+script stopped hard): each engine then has a watchdog (``ftkit.procs.Watchdog``), a small
+process that knows the engine's processes and files as they are noted (also while the engine
+starts) and, when its owner dies, kills exactly those processes and removes those files.
+
 The engine is built from the scenario's ``EngineSpec`` (``model``: the model directory) and,
 for an ftkit engine, a ``RecoveryConfig``; faults are planned per run with a ``FaultPlan``.
 """
@@ -27,7 +32,7 @@ from typing import Any
 import psutil
 
 from ftkit import procs
-from ftkit.bounds import REAP_GRACE_S
+from ftkit.bounds import ENGINE_START_TRACK_S, REAP_GRACE_S
 from ftkit.config import RecoveryConfig
 from ftkit.contracts.eventlog import FaultFired, RecoveryRound, only, read_events
 from ftkit.contracts.job import EngineRestart, SamplingSpec
@@ -35,24 +40,30 @@ from ftkit.contracts.plan import FaultPlan
 from ftkit.errors import EngineError, RunTimeout
 from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
-from ftkit.vllm.environment import engine_args, engine_environment
+from ftkit.vllm.environment import ExecuteTimeout, engine_args, engine_environment
 from ftkit.vllm.workload import GenerateResult, Workload
 
 log = logging.getLogger("ftkit")
+
+#: The watchdog's record, in the engine's temporary folder (removed with it).
+WATCH_RECORD = "ftkit-watch-record"
 
 
 class EngineSession:
     """One real vLLM engine, started once and used for one or more workloads."""
 
     def __init__(self, spec: EngineSpec, *, recovery: RecoveryConfig | None = None,
-                 multiprocess: bool | None = None, leftovers_file: str | None = None) -> None:
+                 multiprocess: bool | None = None, leftovers_file: str | None = None,
+                 watchdog: bool = True) -> None:
         """``spec.model`` is a model directory. ``recovery``: run ftkit in the engine with
         these settings (None: a plain vLLM engine). ``multiprocess``: run the engine core in
         its own process. The default is vLLM's multi-process executor for tensor parallel 2
         and more, in-process for 1. Only one in-process engine may live in a process at a
         time (it owns the process's default process group). ``leftovers_file``: a file to
         which the paths of ``leftovers`` are appended as they are noted, one per line, for an
-        owner that may have to remove them after killing this process."""
+        owner that may have to remove them after killing this process. ``watchdog``: give
+        each engine a watchdog process that cleans up if this process dies without closing
+        the session (off: what a killed owner leaves stays behind)."""
         self.spec = spec
         self.multiprocess = spec.tensor_parallel_size > 1 if multiprocess is None else multiprocess
         self.recovery = recovery
@@ -64,6 +75,9 @@ class EngineSession:
         #: Processes of a dead engine, killed and not yet waited for (see ``_restart``).
         self._dying: list[psutil.Process] = []
         self.dead: str | None = None
+        #: vLLM's bound on one step RPC of the current engine, against what its recovery
+        #: needs (raised where short; ``None``: vLLM bounds no step of this engine).
+        self.execute_timeout: ExecuteTimeout | None = None
         self._runs = 0
         #: The fault plan of each run id, as given, to plan it again after a restart.
         self._plans: dict[str, FaultPlan] = {}
@@ -71,6 +85,9 @@ class EngineSession:
         #: folder: removed once they are reaped.
         self.leftovers: set[str] = set()
         self._leftovers_file = leftovers_file
+        self._use_watchdog = watchdog
+        #: The current engine's watchdog (see the module docstring).
+        self._watchdog: procs.Watchdog | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -78,22 +95,36 @@ class EngineSession:
         from vllm import LLM
 
         me = psutil.Process()
-        before = {p.pid for p in me.children(recursive=True)}
         started = time.monotonic()
         tmp_dir = tempfile.mkdtemp(prefix="ftkit-engine-")
+        if self._use_watchdog:
+            self._watchdog = procs.Watchdog(os.path.join(tmp_dir, WATCH_RECORD)).start()
+        # Taken after the watchdog started: it is not one of the engine's processes.
+        before = {p.pid for p in me.children(recursive=True)}
         self._note_leftovers([tmp_dir])
-        try:
-            with engine_environment(self.spec.tensor_parallel_size, self.multiprocess,
-                                    tmp_dir):
-                self.llm = LLM(**engine_args(self.spec, self.recovery))
-        except Exception as exc:
+
+        def look() -> None:
             self._track_children(me, before)
             self._note_leftovers()
+
+        try:
+            with engine_environment(self.spec.tensor_parallel_size, self.multiprocess,
+                                    tmp_dir, self.recovery) as self.execute_timeout, \
+                    procs.polling(ENGINE_START_TRACK_S, look):
+                self.llm = LLM(**engine_args(self.spec, self.recovery))
+        except BaseException as exc:  # Ctrl-C too: nothing of a half-started engine stays
+            look()
             self.close()
+            if not isinstance(exc, Exception):
+                raise
             raise EngineError(f"vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self._track_children(me, before)
-        self._note_leftovers()
+        look()
+        # A process that came and went during the start (a helper vLLM or torch ran) is not
+        # one of the engine's: a death watch would take its end for the engine's death.
+        ended = {p.pid for p in self._procs if not procs.alive(p)}
+        procs.wait_gone(p for p in self._procs if p.pid in ended)  # reaped, if ours
+        self._procs = [p for p in self._procs if p.pid not in ended]
+        self.pids = [pid for pid in self.pids if pid not in ended]
         self.start_s = time.monotonic() - started
         return self
 
@@ -102,26 +133,50 @@ class EngineSession:
         remove once they are reaped."""
         if paths is None:
             paths = procs.shared_memory_files(p for p in self._procs if procs.alive(p))
-        new = set(paths) - self.leftovers
-        self.leftovers |= new
+        new = sorted(set(paths) - self.leftovers)
+        self.leftovers.update(new)
+        if new and self._watchdog is not None:
+            self._watchdog.note_paths(new)
         if new and self._leftovers_file is not None:
             with open(self._leftovers_file, "a") as out:
-                out.writelines(f"{path}\n" for path in sorted(new))
+                out.writelines(f"{path}\n" for path in new)
 
     def _track_children(self, me: psutil.Process, before: set[int]) -> None:
-        for p in procs.descendants(me):
-            if p.pid not in before and p.pid not in self.pids and not procs.is_process_helper(p):
-                self.pids.append(p.pid)
-                # psutil remembers the start time: a reused pid is never signalled.
-                self._procs.append(p)
+        new = [p for p in procs.descendants(me)
+               if p.pid not in before and p.pid not in self.pids
+               and not procs.is_process_helper(p)]
+        self.pids += [p.pid for p in new]
+        # psutil remembers the start time: a reused pid is never signalled.
+        self._procs += new
+        if new and self._watchdog is not None:
+            self._watchdog.note_processes(new)
+
+    @property
+    def watchdog_pid(self) -> int | None:
+        """The current engine's watchdog process, if it has one."""
+        return self._watchdog.pid if self._watchdog is not None else None
 
     def close(self) -> None:
         """Shut the engine down and reap every process it started (killed if need be)."""
         self._shut_down()
         procs.reap(self._procs + self._dying, REAP_GRACE_S)
+        self._clean_up()
+
+    def kill(self) -> None:
+        """End the engine at once, from any thread, for an owner that is about to exit: its
+        processes are killed (no shut-down of vLLM's) and what they left is removed."""
+        procs.wait_gone(procs.kill(self._procs + self._dying))
+        self._clean_up()
+
+    def _clean_up(self) -> None:
+        """The engine's processes are gone: remove what they left, then end the watchdog
+        (last: it cleans up if this process dies before)."""
         self._procs, self._dying = [], []
         procs.remove_files(self.leftovers)
         self.leftovers = set()
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
 
     def _shut_down(self) -> None:
         llm, self.llm = self.llm, None
@@ -257,12 +312,16 @@ class EngineSession:
         self._dying += procs.kill(self._procs)
         self._procs = []
         dead_engines, self.leftovers = self.leftovers, set()
+        # The dead engine's watchdog stays until what it knows of is cleaned up.
+        dead_watchdog, self._watchdog = self._watchdog, None
         try:
             self.start()
         finally:  # also when the new engine fails to start (``start`` closed it)
             procs.reap(self._dying, REAP_GRACE_S)
             self._dying = []
             procs.remove_files(dead_engines - self.leftovers)
+            if dead_watchdog is not None:
+                dead_watchdog.stop()
         restart_s = time.monotonic() - died
         plan = self._plans.get(work.run_id)
         if plan is not None:

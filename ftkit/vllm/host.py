@@ -15,9 +15,11 @@ The parent (``ftkit.runner``) owns this process and everything below it: on a ti
 Ctrl-C or on failure it kills the whole tree, so a hung engine can never outlive a run. The
 files the engines' processes hold in shared memory are listed in ``WORK/leftovers`` (``--work
 WORK``, the parent's folder for this host) for the parent to remove after such a kill. When
-the parent itself dies (killed with SIGKILL: nobody is left to clean up), standard input ends
-without an exit request: the host closes its engine, which removes those files, and removes
-the parent's folder, then exits.
+the parent itself dies (killed with SIGKILL: nobody is left to clean up), the host cleans up
+what the parent would have: between jobs, standard input ends without an exit request and the
+host closes its engine, which removes those files; during a job, a thread that watches the
+parent kills the engine's processes and removes their files. Either way it then removes the
+parent's folder and exits.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ import dataclasses
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO
 
 from ftkit import procs
-from ftkit.bounds import ORPHAN_CHECK_S, PROGRESS_EVERY_S
+import psutil
+
+from ftkit.bounds import ORPHAN_CHECK_S, OWNER_WATCH_POLL_S, PROGRESS_EVERY_S
 from ftkit.contracts.job import (
     LEFTOVERS_FILE,
     EngineJob,
@@ -60,6 +65,8 @@ class Host:
         self.key: str | None = None
         #: The parent's folder for this host (``LEFTOVERS_FILE`` goes there), if given.
         self.work = work
+        #: Held while the engine is closed: an orphaned host's watch thread waits for it.
+        self._closing = threading.Lock()
 
     def run_job(self, job: EngineJob) -> JobResult:
         """Run ``job``; an error of any kind is in the result, never raised."""
@@ -107,10 +114,24 @@ class Host:
         return self.session, True
 
     def close(self) -> None:
-        session, self.session, self.key = self.session, None, None
-        if session is not None:
-            _say(HostMessage(Stage.CLOSING))
-            session.close()
+        with self._closing:
+            session, self.session, self.key = self.session, None, None
+            if session is not None:
+                _say(HostMessage(Stage.CLOSING))
+                session.close()
+
+    def end_with(self, parent: psutil.Process | None) -> None:
+        """Watch ``parent`` (from a thread of its own); once it is gone, kill the engine,
+        remove the parent's folder and end this process: a job that runs on reads no input
+        and would keep the engine busy for as long as it lasts."""
+        while parent is not None and procs.alive(parent):
+            time.sleep(OWNER_WATCH_POLL_S)
+        with self._closing:  # an engine that is being closed is closed first
+            if self.session is not None:
+                self.session.kill()
+            if self.work is not None:
+                shutil.rmtree(self.work, ignore_errors=True)
+            os._exit(0)
 
 
 def serve(stdin: IO[str], work: Path | None = None, parent_pid: int | None = None) -> int:
@@ -122,6 +143,8 @@ def serve(stdin: IO[str], work: Path | None = None, parent_pid: int | None = Non
     host = Host(work)
     # Pinned now (pid and start time); a parent that died before this line is gone already.
     parent = procs.identify(parent_pid if parent_pid is not None else os.getppid())
+    threading.Thread(target=host.end_with, args=(parent,), name="ftkit-parent-watch",
+                     daemon=True).start()
     asked_to_exit = False
     try:
         for line in stdin:

@@ -47,6 +47,11 @@ def test_killed_worker_is_resumed_token_for_token(tiny_model, baseline, tmp_path
         first_pids = list(engine.pids)
         out = engine.generate(PROMPTS, GREEDY, run_id=run_id, max_restarts=1,
                               deadline=time.monotonic() + 300)
+        # The restart removed what the killed engine left (its communicator segments and
+        # folder) at once, while the new engine runs: nothing of it waits for ``close``.
+        dead_engine = first_engine - engine.leftovers
+        assert {p for p in first_engine if "cpushm" in p} | {tmp_dir} <= dead_engine
+        assert [p for p in dead_engine if os.path.exists(p)] == []
     assert out.error is None
     assert [r.token_ids for r in out.requests] == baseline.tokens["greedy"]
     [restart] = out.restarts

@@ -1,0 +1,151 @@
+"""The suite's CI gate: under CI, a run in which the real-engine tests did not all run fails.
+
+Real-engine tests are those marked ``vllm`` or ``multiprocess`` and every test in the folders
+of ``REAL_ENGINE_DIRS``. A run that skips one, deselects one (``-m``, ``-k``, a plugin), or
+collects fewer tests from one of those folders' files than the file defines (a file that is
+not collected, a test that vanished) would pass while proving nothing about the engines; under
+CI (``CI`` set to ``true``, ``1`` or ``yes``, as CI services and ``.ci/run`` do) such a run
+ends with exit status 1 and a list of what did not run. Outside CI nothing changes: a local
+run may narrow the suite as it likes.
+
+The floor per file is the number of test functions it defines; it applies to the files below
+the paths the run was given (a run of ``tests/unit`` has no floor, a run of ``tests`` has all).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: Markers of the tests that start real engines or real worker processes.
+REAL_ENGINE_MARKERS = ("vllm", "multiprocess")
+#: Folders (below this one) whose every test must run under CI.
+REAL_ENGINE_DIRS = ("vllm", "multiprocess")
+#: Values of ``CI`` that switch the gate on.
+CI_VALUES = ("1", "true", "yes")
+
+_HERE = Path(__file__).resolve().parent
+
+
+def ci_run() -> bool:
+    return os.environ.get("CI", "").strip().lower() in CI_VALUES
+
+
+def defined_tests(file: Path) -> int:
+    """The test functions ``file`` defines: ``test_*`` at module level and in ``Test*``
+    classes (not those in strings, such as a test file a test writes)."""
+    try:
+        tree = ast.parse(file.read_text(errors="replace"))
+    except SyntaxError:
+        return 1  # a file that does not even parse runs no test: at least one is missing
+    bodies = [tree.body] + [node.body for node in tree.body
+                            if isinstance(node, ast.ClassDef) and node.name.startswith("Test")]
+    return sum(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and node.name.startswith("test") for body in bodies for node in body)
+
+
+class CiGate:
+    """A plugin, registered under CI: what the run did with the real-engine tests (the outcome
+    of each, those deselected, the tests reported per file) and, at the end, the verdict."""
+
+    def __init__(self, rootdir: Path, args: list[str], invoked_in: Path) -> None:
+        self.rootdir = rootdir
+        #: The run's paths, absolute (a node id part ``::test`` kept).
+        self.args = [arg if Path(arg).is_absolute() else str(invoked_in / arg) for arg in args]
+        #: nodeid -> "passed", "failed" or "skipped (reason)" (a skip in any phase wins).
+        self.outcomes: dict[str, str] = {}
+        self.deselected: list[str] = []
+        self.reported_per_file: dict[str, set[str]] = {}
+        self.problems: list[str] = []
+
+    # --- hooks ------------------------------------------------------------------------------
+
+    def pytest_deselected(self, items: list[pytest.Item]) -> None:
+        self.deselected += [item.nodeid for item in items if self._is_real_engine_item(item)]
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        path = report.nodeid.split("::", 1)[0]
+        self.reported_per_file.setdefault(path, set()).add(report.nodeid)
+        real = any(m in report.keywords for m in REAL_ENGINE_MARKERS)
+        if not real and not self._in_real_engine_dir(self.rootdir / path):
+            return
+        if report.skipped and not hasattr(report, "wasxfail"):
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+            self.outcomes[report.nodeid] = f"skipped ({reason.removeprefix('Skipped: ')})"
+        else:
+            self.outcomes.setdefault(report.nodeid, report.outcome)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.problems = self.verdict()
+        if self.problems and session.exitstatus in (pytest.ExitCode.OK,
+                                                    pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.problems:
+            return
+        terminalreporter.section("CI gate: real-engine tests that did not run", red=True)
+        for line in self.problems:
+            terminalreporter.line(line, red=True)
+        terminalreporter.line(
+            "Under CI every test marked " + " or ".join(REAL_ENGINE_MARKERS) + " and every test "
+            "in tests/" + " and tests/".join(REAL_ENGINE_DIRS) + " must run, so this run fails. "
+            "Make them run (install what they need, drop the -m/-k selection), or run "
+            "without CI=true.", red=True)
+
+    # --- the verdict --------------------------------------------------------------------------
+
+    def verdict(self) -> list[str]:
+        found = [f"skipped: {nodeid} {outcome.removeprefix('skipped ')}"
+                 for nodeid, outcome in sorted(self.outcomes.items())
+                 if outcome.startswith("skipped")]
+        found += [f"deselected: {nodeid}" for nodeid in sorted(self.deselected)]
+        for path, floor in sorted(self.floors().items()):
+            ran = len(self.reported_per_file.get(path, ()))
+            if ran < floor:
+                found.append(f"not run: {path} defines {floor} test(s), {ran} ran")
+        return found
+
+    def floors(self) -> dict[str, int]:
+        """The number of tests each real-engine file defines, for the files the run's paths
+        take in whole (rootdir-relative, as in node ids)."""
+        floors = {}
+        for folder in REAL_ENGINE_DIRS:
+            for file in sorted((_HERE / folder).rglob("*.py")):
+                if file.name.startswith(("_", "conftest")) or not self._in_scope(file):
+                    continue
+                count = defined_tests(file)
+                if count:
+                    floors[file.relative_to(self.rootdir).as_posix()] = count
+        return floors
+
+    def _in_scope(self, file: Path) -> bool:
+        """Whether the run's paths take in ``file`` whole (a path narrowed to some of its
+        tests, ``file.py::test``, does not)."""
+        for arg in self.args:
+            if "::" in arg:
+                continue
+            path = Path(arg).resolve()
+            if file == path or path in file.parents:
+                return True
+        return False
+
+    def _is_real_engine_item(self, item: pytest.Item) -> bool:
+        return (any(item.get_closest_marker(m) is not None for m in REAL_ENGINE_MARKERS)
+                or self._in_real_engine_dir(Path(item.path)))
+
+    @staticmethod
+    def _in_real_engine_dir(file: Path) -> bool:
+        parents = file.resolve().parents
+        return any((_HERE / folder) in parents for folder in REAL_ENGINE_DIRS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if ci_run() and not config.option.collectonly:
+        config.pluginmanager.register(
+            CiGate(config.rootpath.resolve(), list(config.args),
+                   config.invocation_params.dir), "ftkit-ci-gate")
