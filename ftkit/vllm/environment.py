@@ -45,6 +45,13 @@ ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # The recovery engine knows how to restore vLLM's V1 model runner (GPU default: V2).
     "VLLM_USE_V2_MODEL_RUNNER": "0",
+    # vLLM's CPU attention decides per step, from the whole batch and its row order, whether
+    # to divide a decode row's KV between threads, and a divided row rounds differently. A
+    # recovered run recomputes lost KV by prefill and may lay a step's rows out in another
+    # order than the fault-free run: with the division on, its logprobs then drift in the
+    # last bits (tokens stay). Off, every row computes the same bits whatever its batch, in
+    # the fault-free run and the recovered one alike (tests/vllm/test_kv_loss_features.py).
+    "VLLM_CPU_ATTN_SPLIT_KV": "0",
 }
 
 

@@ -6,8 +6,10 @@ that KV. ``KvRecompute`` keeps the set of lost block ids (the same on every rank
 the round's decision) and, before each attempt of a step, finds the requests the step
 schedules whose already-computed tokens lie in a lost block. For those it runs extra forward
 passes that prefill their tokens again from position 0 (chunked to the runner's token and
-request budgets), writing every KV slot anew, and drops the passes' logits. Then the real step
-runs on a batch rebuilt from the request states.
+request budgets), writing every KV slot anew, and drops the passes' logits. The passes
+reshape vLLM's persistent batch; its rows are then put back in the order vLLM had them
+(``lay_out``), and the real step runs on them as it would have without the fault: the order
+of the rows is part of what a step computes (see ``lay_out``).
 
 The passes are forward steps like any other: on every tensor-parallel rank, with the same
 synthesized scheduler outputs in the same order, so the ranks' collectives stay paired. A fault
@@ -17,7 +19,16 @@ once the passes succeeded.
 Blocks become valid again when a request that owns them is recomputed, or when a request that
 needed no recompute is scheduled with them (blocks allocated after the loss are written before
 they are read). Blocks nobody owns stay marked: a request that later hits them through the
-prefix cache is recomputed too. The fault-free path pays one emptiness check per step.
+prefix cache (a new request, or one resumed after preemption) is recomputed too. The
+fault-free path pays one emptiness check per step.
+
+Exactness: on vLLM's CPU backend the attention of a query of several tokens (a prefill) does
+not depend on the rest of the batch, so KV first written by prefills is recomputed bit for
+bit. A query of one token (a decode) is different: with
+``VLLM_CPU_ATTN_SPLIT_KV`` on (vLLM's default) and more than one thread, the attention of a
+one-token query is split between threads according to the rows of its batch, which changes its
+rounding; the KV of tokens whose decode was split cannot be reproduced by a prefill, and the
+logprobs that follow drift in their last bits. With the split off the recompute is exact.
 """
 
 from __future__ import annotations
@@ -81,12 +92,13 @@ class KvRecompute:
         started = time.monotonic()
         work, seen = self._find_work(scheduler_output)
         passes = self._plan(work)
+        rows = list(self.runner.input_batch.req_ids)
         for chunk in passes:
             call(self._synthesize(scheduler_output, chunk, work))
             self.runner.execute_model_state = None  # the passes' logits are not sampled
         if work:
             self._forget_new_requests(work)
-            self._empty_batch()
+            lay_out(self.runner, rows)
         for block_ids in seen:
             for ids in block_ids:
                 self.lost.difference_update(ids)
@@ -186,12 +198,28 @@ class KvRecompute:
             if state is not None and hasattr(runner, "_on_request_state_removed"):
                 runner._on_request_state_removed(w.req_id, state)
 
-    def _empty_batch(self) -> None:
-        empty_batch(self.runner.input_batch)
-
 
 def empty_batch(batch: Any) -> None:
     """Remove every row of vLLM's persistent input batch (request states stay)."""
     for req_id in list(batch.req_id_to_index):
         batch.remove_request(req_id)
     batch.condense()
+
+
+def lay_out(runner: Any, req_ids: Iterable[str]) -> None:
+    """Rebuild the persistent batch with one row per request, in the order of ``req_ids``,
+    from the request states.
+
+    The order of the rows is part of what a step computes: vLLM's CPU attention splits a
+    decode row's KV between threads according to the rows of the batch
+    (``VLLM_CPU_ATTN_SPLIT_KV``), which changes the row's rounding. A step that finds the rows
+    where vLLM left them computes the bits the fault-free run computed; rows re-added in the
+    scheduler's order may not."""
+    batch = runner.input_batch
+    empty_batch(batch)
+    for req_id in req_ids:
+        batch.add_request(runner.requests[req_id])
+    # Hand the changes to the logits processors and start the step's bookkeeping afresh, as
+    # vLLM does after each ``_update_states``: the step then removes the rows it does not
+    # schedule (vLLM refuses a removal after it read the step's removals).
+    batch.refresh_metadata()

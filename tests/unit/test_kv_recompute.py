@@ -1,10 +1,14 @@
-"""Which requests lost KV and how their recompute is cut into passes (``KvRecompute``),
-on stand-in runner state: the forward passes themselves run in tests/vllm."""
+"""Which requests lost KV and how their recompute is cut into passes (``KvRecompute``), on
+stand-in runner state, and where the passes leave the rows of vLLM's own persistent batch:
+the forward passes themselves run in tests/vllm."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
+from ftkit.vllm import kv_recompute
 from ftkit.vllm.kv_recompute import KvRecompute
 
 
@@ -64,3 +68,92 @@ def test_nothing_lost_costs_nothing():
     calls = []
     assert kv.run(step({"a": 3}), calls.append) is None
     assert calls == []
+
+
+# --- the persistent batch's rows, on vLLM's own InputBatch -------------------------------------
+
+def input_batch():
+    torch = pytest.importorskip("torch")
+    gpu_input_batch = pytest.importorskip("vllm.v1.worker.gpu_input_batch")
+    from vllm import SamplingParams
+
+    batch = gpu_input_batch.InputBatch(
+        max_num_reqs=8, max_model_len=64, max_num_batched_tokens=64,
+        device=torch.device("cpu"), vocab_size=32, block_sizes=[4],
+        max_num_blocks_per_req=[16])
+
+    def state(req_id: str, block: int, computed: int = 4):
+        return gpu_input_batch.CachedRequestState(
+            req_id=req_id, prompt_token_ids=[1, 2, 3, 4], mm_features=[],
+            sampling_params=SamplingParams(temperature=0), generator=None,
+            block_ids=([block],), num_computed_tokens=computed, output_token_ids=[])
+
+    return batch, state
+
+
+def vllm_runner(rows: str, more: str = ""):
+    """A runner whose batch holds ``rows`` in that order, the way vLLM got there: ``rows``
+    and ``more`` added, ``more`` finished (the last rows move into the holes)."""
+    batch, state = input_batch()
+    requests = {rid: state(rid, i + 1) for i, rid in enumerate(rows + more)}
+    order = sorted(requests, key=lambda r: (r not in more, rows.find(r)))
+    for rid in order[len(more):] + order[:len(more)]:
+        batch.add_request(requests[rid])
+    batch.condense()
+    batch.refresh_metadata()
+    for rid in more:
+        batch.remove_request(rid)
+        del requests[rid]
+    batch.condense()
+    batch.refresh_metadata()
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))
+    return SimpleNamespace(
+        input_batch=batch, requests=requests, num_prompt_logprobs={},
+        kv_cache_config=SimpleNamespace(num_blocks=32, kv_cache_groups=[group]),
+        max_num_tokens=64, max_num_reqs=8, execute_model_state=None)
+
+
+def test_lay_out_puts_the_rows_back_in_their_order_for_the_next_step():
+    runner = vllm_runner("cab")
+    assert runner.input_batch.req_ids == ["c", "a", "b"]
+    # What a pass of request a alone leaves (``_update_states`` ends so).
+    kv_recompute.empty_batch(runner.input_batch)
+    runner.input_batch.add_request(runner.requests["a"])
+    runner.input_batch.refresh_metadata()
+    kv_recompute.lay_out(runner, ["c", "a", "b"])
+    assert runner.input_batch.req_ids == ["c", "a", "b"]
+    assert runner.input_batch.req_id_to_index == {"c": 0, "a": 1, "b": 2}
+    # The step that follows removes a row it does not schedule and fills the hole, as vLLM
+    # does (vLLM refuses a removal once a step's removals were read and not handed on).
+    runner.input_batch.remove_request("a")
+    runner.input_batch.condense()
+    runner.input_batch.refresh_metadata()
+    assert runner.input_batch.req_ids == ["c", "b"]
+
+
+def test_recompute_passes_leave_the_rows_where_vllm_had_them(monkeypatch):
+    # vLLM's order after request d finished: b moved into d's row.
+    runner = vllm_runner("bac", more="d")
+    before = list(runner.input_batch.req_ids)
+    assert before == ["b", "a", "c"]
+    kv = KvRecompute(runner)
+    kv.mark_lost(all_blocks=True)
+    monkeypatch.setattr(KvRecompute, "_synthesize", lambda self, so, chunk, work: chunk)
+    passes = []
+
+    def forward(chunk):
+        # What ``_update_states`` does to the rows: only the pass's requests stay.
+        batch = runner.input_batch
+        for rid in list(batch.req_id_to_index):
+            if rid not in chunk:
+                batch.remove_request(rid)
+        for rid in chunk:
+            if rid not in batch.req_id_to_index:
+                batch.add_request(runner.requests[rid])
+        batch.condense()
+        batch.refresh_metadata()
+        passes.append(list(batch.req_ids))
+
+    report = kv.run(step({"c": 4, "a": 4}), forward)
+    assert report is not None and passes == [["c", "a"]]
+    assert runner.input_batch.req_ids == before

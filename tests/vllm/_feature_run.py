@@ -1,0 +1,165 @@
+"""Run in a child process by the integration tests: one workload on engines of its own
+(plain, or ftkit's with a fault plan, optionally with one repair switched off), so that
+a test can use engine settings, environment and patches the session's shared engines do not
+have.
+
+Usage: ``_feature_run.py CONFIG_JSON``. CONFIG keys: model, engine_args, tensor_parallel_size
+(default 1), env (environment variables set before the first engine starts), event_log_dir,
+prompts, sampling (``SamplingSpec.to_mapping()``), submit_after_steps, and runs: a list of
+``{"name", "recovery" (bool), "faults" (``FaultSpec`` dicts), "cripple" (a name of
+``CRIPPLES`` or null; it patches this process only, so not the workers of a multi-process
+engine), "workload" (optional: any of CONFIG's keys above but env, for this run)}``, run one
+after the other, each on an engine of its own (a cripple is undone after its run). Prints one
+``RESULT <json>`` line: per run name, every completion's tokens, logprobs and finish reason,
+the run's error, the lost KV recomputed (per rank) and, for a single-process engine, what its
+scheduler did (``schedule``: the requests preempted, the tokens each request found in the
+prefix cache when it was first scheduled, and the steps that prefilled several requests).
+"""
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ftkit.config import RecoveryConfig
+from ftkit.contracts.eventlog import KvRecomputed, only, read_events
+from ftkit.contracts.job import SamplingSpec
+from ftkit.contracts.plan import FaultPlan
+from ftkit.contracts.requests import parse_request_id
+from ftkit.scenario import EngineSpec, FaultSpec
+from ftkit.vllm.engine import EngineSession
+from ftkit.vllm import kv_recompute
+from ftkit.vllm.kv_recompute import KvRecompute
+
+
+def _patch(owner: Any, name: str, value: Any) -> Callable[[], None]:
+    saved = owner.__dict__[name]
+    setattr(owner, name, value)
+    return lambda: setattr(owner, name, saved)
+
+
+def _no_prefix_hits() -> Callable[[], None]:
+    """Requests that reuse prefix-cached blocks are never recomputed."""
+    find = KvRecompute._find_work
+
+    def find_work(self, scheduler_output):
+        work, seen = find(self, scheduler_output)
+        return [w for w in work if w.new is None], seen
+
+    return _patch(KvRecompute, "_find_work", find_work)
+
+
+def _batch_in_scheduler_order() -> Callable[[], None]:
+    """After the recompute passes the batch is left empty, as before ftkit kept its rows:
+    the step re-adds them in the scheduler's order, not in vLLM's."""
+    return _patch(kv_recompute, "lay_out",
+                  lambda runner, req_ids: kv_recompute.empty_batch(runner.input_batch))
+
+
+#: A repair switched off: name -> patch (returns its undo).
+CRIPPLES: dict[str, Callable[[], Callable[[], None]]] = {
+    "kv": lambda: _patch(KvRecompute, "run", lambda self, scheduler_output, call: None),
+    "prefix": _no_prefix_hits,
+    "layout": _batch_in_scheduler_order,
+}
+
+
+class _ScheduleSpy:
+    """What vLLM's scheduler decided, seen from its ``schedule()`` outputs."""
+
+    def __init__(self, engine: EngineSession) -> None:
+        #: [request index, its output tokens] per preemption.
+        self.preempted: list[list[int]] = []
+        self.prefix_hits: dict[int, int] = {}
+        #: Per step that prefilled several requests: their indices.
+        self.joint_prefills: list[list[int]] = []
+        core = getattr(engine.llm.llm_engine.engine_core, "engine_core", None)
+        self.active = core is not None
+        if not self.active:
+            return  # the scheduler lives in another process
+        scheduler = core.scheduler
+        schedule = scheduler.schedule
+
+        def spied(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            for req_id in out.preempted_req_ids or ():
+                request = scheduler.requests[req_id]
+                self.preempted.append([self._index(req_id), request.num_output_tokens])
+            for new in out.scheduled_new_reqs:
+                index = self._index(new.req_id)
+                if index not in self.prefix_hits:
+                    self.prefix_hits[index] = new.num_computed_tokens
+            # (``schedule()`` already counts the tokens it scheduled as computed.)
+            prefilling = [self._index(r) for r, n in out.num_scheduled_tokens.items()
+                          if scheduler.requests[r].num_computed_tokens - n
+                          < scheduler.requests[r].num_prompt_tokens]
+            if len(prefilling) > 1:
+                self.joint_prefills.append(prefilling)
+            return out
+
+        scheduler.schedule = spied
+
+    @staticmethod
+    def _index(req_id: str) -> int:
+        ref = parse_request_id(req_id)
+        return ref.index if ref is not None else -1
+
+    def to_mapping(self) -> dict | None:
+        if not self.active:
+            return None
+        return {"preempted": self.preempted,
+                "prefix_hits": {str(k): v for k, v in sorted(self.prefix_hits.items())},
+                "joint_prefills": self.joint_prefills}
+
+
+def run(config: dict, plan: dict) -> dict:
+    config = {**config, **plan.get("workload", {})}
+    spec = EngineSpec(model=config["model"], args=config.get("engine_args", {}),
+                      tensor_parallel_size=config.get("tensor_parallel_size", 1))
+    undo = CRIPPLES[plan["cripple"]]() if plan.get("cripple") else None
+    try:
+        return _run(config, spec, plan)
+    finally:
+        if undo is not None:
+            undo()
+
+
+def _run(config: dict, spec: EngineSpec, plan: dict) -> dict:
+    recovery = None
+    if plan["recovery"]:
+        recovery = RecoveryConfig(enabled=True, max_reinference=3,
+                                  event_log_dir=config["event_log_dir"])
+    faults = [FaultSpec.model_validate(f) for f in plan.get("faults", [])]
+    with EngineSession(spec, recovery=recovery) as engine:
+        spy = _ScheduleSpy(engine)
+        run_id = engine.new_run_id()
+        if recovery is not None:
+            engine.set_fault_plan(FaultPlan.from_specs(run_id, faults))
+        out = engine.generate(config["prompts"], SamplingSpec.from_mapping(config["sampling"]),
+                              run_id=run_id, submit_after_steps=config.get("submit_after_steps"))
+    kv = []
+    if recovery is not None:
+        kv = [{"rank": e.rank, "requests": e.requests, "tokens": e.tokens}
+              for e in only(read_events(config["event_log_dir"]), KvRecomputed)]
+    return {"error": out.error,
+            "outputs": [{"key": list(r.key), "tokens": r.token_ids, "logprobs": r.logprobs,
+                         "finish_reason": r.finish_reason} for r in out.requests],
+            "kv": kv, "schedule": spy.to_mapping()}
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    os.environ.update(config.get("env", {}))
+    results = {}
+    for plan in config["runs"]:
+        results[plan["name"]] = run(config, plan)
+        # The next run reads only its own events.
+        for path in Path(config["event_log_dir"]).glob("*"):
+            path.unlink()
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
