@@ -55,6 +55,12 @@ ENGINE_ENV = {
 }
 
 
+def effective_engine_env() -> dict[str, str]:
+    """The values of ``ENGINE_ENV``'s variables an engine started now would see (the
+    environment's own, where set): they decide its fault-free tokens' bits too."""
+    return {k: os.environ.get(k, v) for k, v in ENGINE_ENV.items()}
+
+
 def engine_args(spec: EngineSpec, recovery: RecoveryConfig | None) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` for ``spec``; with ``recovery``, ftkit's settings
     go into ``additional_config`` (the engine is then an ftkit engine)."""
