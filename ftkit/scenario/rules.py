@@ -14,7 +14,7 @@ killed once, a KV UCE hits a request that holds KV, ...); an expected recovery i
 (recovery enabled and ``times <= max_reinference``); expected identical tokens can be
 reproduced (every randomly sampled request has a seed); a killed process's requests can be
 resumed exactly (none uses a feature of ``_NOT_RESUMABLE``: ``n > 1``, frequency or presence
-penalties, stop strings, bad words); and, with recovery on, ``engine.args`` turn on nothing that
+penalties, bad words); and, with recovery on, ``engine.args`` turn on nothing that
 ftkit cannot recover (pipeline, data or expert parallelism, speculative decoding,
 asynchronous scheduling).
 """
@@ -250,9 +250,6 @@ _NOT_RESUMABLE: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("presence_penalty", lambda v: bool(v),
      "vLLM counts it over output tokens only, and the resumed request's earlier tokens are "
      "prompt tokens"),
-    ("stop", lambda v: bool(v),
-     "vLLM looks for a stop string only in the text produced after the resume, so one "
-     "that straddles the kill is missed"),
     ("bad_words", lambda v: bool(v),
      "vLLM matches a bad word's earlier tokens against output tokens only"),
 )

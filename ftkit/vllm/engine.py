@@ -287,6 +287,10 @@ class EngineSession:
             now = time.monotonic() - started
             for out in step_outputs:
                 work.take(out, now)
+            if work.to_abort:
+                # Resumed requests whose joined stream reached a stop string.
+                engine.abort_request(work.to_abort)
+                work.to_abort = []
             work.steps += 1
             work.submit_due(engine)
             if on_tokens is not None:

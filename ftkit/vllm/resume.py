@@ -6,6 +6,11 @@ unfinished request again as a *resumed request*: its prompt is the original prom
 followed by the tokens it had already produced, its budget the tokens still to produce, and its
 id ``ftkit:<run>:<index>+<offset>`` says how many tokens it had (``offset``). Greedy requests
 then continue exactly: the re-prefill computes the same logits the lost decode step would have.
+What counts output tokens is adjusted (``max_tokens`` and ``min_tokens`` count what is left),
+and the front end detokenizes the joined stream with the original request's detokenizer
+(``ftkit.vllm.workload``): the finished text and the stop strings, one straddling the kill
+included, are those of a request that never died. Features a resumed request cannot continue
+exactly yet are refused at validation (``ftkit.scenario.rules``).
 
 Seeded sampling continues the same random stream too. vLLM gives a seeded request a generator
 seeded with its seed, and sampling advances it by the same draws for every token. The host
@@ -14,6 +19,15 @@ request id); the worker fast-forwards a resumed request's new generator by repla
 sampler's draws for ``offset`` tokens before it samples the request's first resumed token
 (``fast_forward``). Replaying the sampler itself, rather than a copy of its arithmetic, keeps
 this right for whichever sampling path the platform uses.
+
+A resumed prompt is longer than the original one, and may no longer fit the step's token
+budget: its prefill is then chunked, and vLLM samples a token for each partial chunk too, to
+discard it. For a seeded request vLLM then rewinds the request's generator by its offset,
+which only CUDA's generators have: on a CPU generator that raises and ends the engine. ftkit's
+engines take such rows' generators out of the batch while the step samples
+(``park_discarded_generators``): their draws come from the global generator, as for an
+unseeded row, the discarded token does not matter, and the request's own stream advances only
+for the tokens it keeps, which is what rewinding achieves on CUDA.
 """
 
 from __future__ import annotations
@@ -45,6 +59,28 @@ def fast_forward(runner: Any, done: dict[str, Any]) -> list[str]:
         done[req_id] = gen
         advanced.append(req_id)
     return advanced
+
+
+def park_discarded_generators(runner: Any) -> dict[int, Any] | None:
+    """Before a step samples: take out of the batch the generators of the rows whose sampled
+    token vLLM discards (a partial prefill chunk), so that vLLM neither draws from them nor
+    rewinds them; ``None`` when there are none. ``restore_generators`` puts them back."""
+    generators = runner.input_batch.generators
+    if not generators:
+        return None
+    mask = getattr(runner, "discard_request_mask", None)
+    if mask is None:
+        return None
+    discarded = mask.np[:runner.input_batch.num_reqs]
+    parked = {index: generators.pop(index) for index in list(generators)
+              if index < len(discarded) and discarded[index]}
+    return parked or None
+
+
+def restore_generators(runner: Any, parked: dict[int, Any] | None) -> None:
+    """Put back the generators ``park_discarded_generators`` took out."""
+    if parked:
+        runner.input_batch.generators.update(parked)
 
 
 def _replay_draws(runner: Any, gen: torch.Generator, tokens: int) -> None:

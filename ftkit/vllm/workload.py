@@ -47,11 +47,13 @@ class Workload:
             raise ValueError("submit_after_steps needs one entry per prompt")
         self.waiting = sorted(range(len(prompts)), key=lambda i: self.arrivals[i])
         self.prompt_token_ids: dict[int, list[int]] = {}
-        #: Each completion's text so far: what the lost engine had detokenized before a
-        #: restart, then what the current engine has (vLLM's text of a resumed request
-        #: covers only the tokens produced after the resume).
-        self._text_before: dict[tuple[int, int], str] = {}
-        self._text: dict[tuple[int, int], str] = {}
+        #: For each resumed completion, the detokenizer its original request would have had,
+        #: fed the whole stream (``_Shadow``): the text and the stop strings of the joined
+        #: stream, as a request that was never resumed gets them.
+        self._shadows: dict[tuple[int, int], _Shadow] = {}
+        #: Engine request ids to abort after this step's outputs (a resumed request whose
+        #: joined stream reached a stop string).
+        self.to_abort: list[str] = []
         self.finished: set[int] = set()
         #: Engine steps run for this workload, and output tokens taken (of ``total``).
         self.steps = 0
@@ -62,8 +64,9 @@ class Workload:
     def params(self, index: int, produced: int = 0) -> Any:
         """vLLM's ``SamplingParams`` of request ``index``; for a request resumed after
         ``produced`` output tokens, the budgets that count output tokens (``max_tokens``,
-        ``min_tokens``) count what is left, and no prompt logprobs are asked for. The sampled tokens' logprobs are always asked
-        for: the oracle compares them."""
+        ``min_tokens``) count what is left, no prompt logprobs are asked for, and its stop
+        strings are left to its ``_Shadow``. The sampled tokens' logprobs are always asked for:
+        the oracle compares them."""
         from vllm import SamplingParams
 
         kwargs = dict(self.request_params[index])
@@ -74,6 +77,8 @@ class Workload:
             # Its prompt's logprobs were taken before the restart (and its prompt now ends
             # with what it produced).
             kwargs.pop("prompt_logprobs", None)
+            # vLLM would look for them only in the text produced after the resume.
+            kwargs.pop("stop", None)
         if kwargs.get("logprobs") is None:
             kwargs["logprobs"] = 0
         return SamplingParams(**kwargs)
@@ -102,15 +107,28 @@ class Workload:
             # A resumed request counts its tokens from where it resumed.
             start = len(req.token_ids) - ref.offset
             new = list(completion.token_ids[start:])
+            finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
+            text = completion.text
+            shadow = self._shadows.get(req.key)
+            if shadow is not None:
+                stopped_at = shadow.take(new, finish_reason, stop_reason)
+                if stopped_at is not None:
+                    # The joined stream ends with a stop string: where the original request
+                    # would have stopped.
+                    new = new[:stopped_at]
+                    finish_reason, stop_reason = "stop", shadow.stop_string
+                    if not finished:
+                        self.to_abort.append(out.request_id)
+                        finished = True
+                text = shadow.text()
             req.token_ids.extend(new)
             req.token_times.extend([now] * len(new))
             self._take_logprobs(req, completion.logprobs, start, len(new))
             self.done += len(new)
-            self._text[req.key] = self._text_before.get(req.key, "") + completion.text
-            if finished or completion.finish_reason is not None:
-                req.finish_reason = completion.finish_reason
-                req.stop_reason = completion.stop_reason
-                req.text = self._text[req.key]
+            if finished or finish_reason is not None:
+                req.finish_reason = finish_reason
+                req.stop_reason = stop_reason
+                req.text = text
         if finished:
             self.finished.add(ref.index)
 
@@ -153,12 +171,55 @@ class Workload:
             if produced == 0 or prompt_ids is None:
                 engine.add_request(request_id(self.run_id, i), self.prompts[i], self.params(i))
             else:
-                self._text_before[req.key] = self._text.get(req.key, "")
+                self._shadows[req.key] = _Shadow(engine.get_tokenizer(), prompt_ids,
+                                                 self.params(i), req.token_ids)
                 prompt = TokensPrompt(prompt_token_ids=prompt_ids + req.token_ids)
                 engine.add_request(request_id(self.run_id, i, offset=produced), prompt,
                                    self.params(i, produced))
             resumed.append(i)
         return resumed
+
+
+class _Shadow:
+    """The detokenizer a resumed request's original request would have had.
+
+    vLLM's front end detokenizes each request incrementally from its prompt and looks for its
+    stop strings in the text as it grows. A resumed request's own detokenizer starts from a
+    prompt that ends with the tokens already produced: its text covers only what follows
+    the resume, and a stop string that straddles the restart is never seen. The shadow is
+    vLLM's own detokenizer for the original prompt and sampling parameters, fed the tokens
+    produced before the restart and then each new one: its text and its stop strings are
+    those of a request that never died.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], params: Any,
+                 produced: list[int]) -> None:
+        from types import SimpleNamespace
+
+        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+        request = SimpleNamespace(request_id="ftkit-shadow", prompt_token_ids=list(prompt_ids),
+                                  prompt_embeds=None, sampling_params=params)
+        self._detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+        # Those tokens reached no stop string before the restart (the request went on).
+        self._detokenizer.update(list(produced), False)
+        self.stop_string: str | None = None
+
+    def take(self, new: list[int], finish_reason: str | None,
+             stop_reason: int | str | None) -> int | None:
+        """Feed the resumed request's new tokens; returns how many of them the original
+        request keeps when they complete a stop string (``None`` otherwise)."""
+        before = self._detokenizer.num_output_tokens()
+        # A stop token (or end of sequence) ended the engine's request: vLLM leaves it out of
+        # the text, as for any request.
+        stop_terminated = finish_reason == "stop" and not isinstance(stop_reason, str)
+        self.stop_string = self._detokenizer.update(new, stop_terminated)
+        if self.stop_string is None:
+            return None
+        return self._detokenizer.num_output_tokens() - before
+
+    def text(self) -> str:
+        return self._detokenizer.get_next_output_text(finished=True, delta=False)
 
 
 def _position(logprobs: Any) -> list[list[Any]]:

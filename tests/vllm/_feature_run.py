@@ -4,14 +4,15 @@ a test can use engine settings, environment and patches the session's shared eng
 have.
 
 Usage: ``_feature_run.py CONFIG_JSON``. CONFIG keys: model, engine_args, tensor_parallel_size
-(default 1), env (environment variables set before the first engine starts), event_log_dir,
+(default 1), multiprocess (the engine core in a process of its own; default: at tensor
+parallel 2 and more), env (environment variables set before the first engine starts), event_log_dir,
 prompts, sampling (``SamplingSpec.to_mapping()``), submit_after_steps, and runs: a list of
 ``{"name", "recovery" (bool), "faults" (``FaultSpec`` dicts), "cripple" (a name of
 ``CRIPPLES`` or null; it patches this process only, so not the workers of a multi-process
-engine), "workload" (optional: any of CONFIG's keys above but env, for this run)}``, run one
+engine), "max_restarts" (engine restarts after a process died, default 0), "workload" (optional: any of CONFIG's keys above but env, for this run)}``, run one
 after the other, each on an engine of its own (a cripple is undone after its run). Prints one
-``RESULT <json>`` line: per run name, every completion's tokens, logprobs and finish reason,
-the run's error, the lost KV recomputed (per rank) and, for a single-process engine, what its
+``RESULT <json>`` line: per run name, every completion's tokens, logprobs, finish and stop
+reason and text, the run's error, its engine restarts, the lost KV recomputed (per rank) and, for a single-process engine, what its
 scheduler did (``schedule``: the requests preempted, the tokens each request found in the
 prefix cache when it was first scheduled, and the steps that prefilled several requests).
 """
@@ -30,7 +31,7 @@ from ftkit.contracts.plan import FaultPlan
 from ftkit.contracts.requests import parse_request_id
 from ftkit.scenario import EngineSpec, FaultSpec
 from ftkit.vllm.engine import EngineSession
-from ftkit.vllm import kv_recompute
+from ftkit.vllm import kv_recompute, workload
 from ftkit.vllm.kv_recompute import KvRecompute
 
 
@@ -59,10 +60,28 @@ def _batch_in_scheduler_order() -> Callable[[], None]:
 
 
 #: A repair switched off: name -> patch (returns its undo).
+def _resumed_text_from_the_new_engine() -> Callable[[], None]:
+    """A resumed request's stop strings and text are the new engine's alone, as before the
+    front end fed its original request's detokenizer the whole stream (``_Shadow``)."""
+    def params(self, index, produced=0):
+        from vllm import SamplingParams
+
+        kwargs = self.sampling.for_request(index)
+        if produced:
+            kwargs["max_tokens"] = int(kwargs["max_tokens"]) - produced
+        kwargs.setdefault("logprobs", 0)
+        return SamplingParams(**kwargs)
+
+    undo_params = _patch(workload.Workload, "params", params)
+    undo_shadow = _patch(workload, "_Shadow", lambda *args: None)
+    return lambda: (undo_params(), undo_shadow())
+
+
 CRIPPLES: dict[str, Callable[[], Callable[[], None]]] = {
     "kv": lambda: _patch(KvRecompute, "run", lambda self, scheduler_output, call: None),
     "prefix": _no_prefix_hits,
     "layout": _batch_in_scheduler_order,
+    "shadow": _resumed_text_from_the_new_engine,
 }
 
 
@@ -118,6 +137,7 @@ def run(config: dict, plan: dict) -> dict:
     config = {**config, **plan.get("workload", {})}
     spec = EngineSpec(model=config["model"], args=config.get("engine_args", {}),
                       tensor_parallel_size=config.get("tensor_parallel_size", 1))
+    config.setdefault("multiprocess", None)
     undo = CRIPPLES[plan["cripple"]]() if plan.get("cripple") else None
     try:
         return _run(config, spec, plan)
@@ -132,20 +152,23 @@ def _run(config: dict, spec: EngineSpec, plan: dict) -> dict:
         recovery = RecoveryConfig(enabled=True, max_reinference=3,
                                   event_log_dir=config["event_log_dir"])
     faults = [FaultSpec.model_validate(f) for f in plan.get("faults", [])]
-    with EngineSession(spec, recovery=recovery) as engine:
+    with EngineSession(spec, recovery=recovery, multiprocess=config["multiprocess"]) as engine:
         spy = _ScheduleSpy(engine)
         run_id = engine.new_run_id()
         if recovery is not None:
             engine.set_fault_plan(FaultPlan.from_specs(run_id, faults))
         out = engine.generate(config["prompts"], SamplingSpec.from_mapping(config["sampling"]),
-                              run_id=run_id, submit_after_steps=config.get("submit_after_steps"))
+                              run_id=run_id, submit_after_steps=config.get("submit_after_steps"),
+                              max_restarts=plan.get("max_restarts", 0))
     kv = []
     if recovery is not None:
         kv = [{"rank": e.rank, "requests": e.requests, "tokens": e.tokens}
               for e in only(read_events(config["event_log_dir"]), KvRecomputed)]
     return {"error": out.error,
             "outputs": [{"key": list(r.key), "tokens": r.token_ids, "logprobs": r.logprobs,
-                         "finish_reason": r.finish_reason} for r in out.requests],
+                         "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
+                         "text": r.text} for r in out.requests],
+            "restarts": len(out.restarts),
             "kv": kv, "schedule": spy.to_mapping()}
 
 
