@@ -64,15 +64,6 @@ def kv_after_prefill(at: Loc, fault: FaultSpec, params: Any, scenario: Scenario
     return []
 
 
-def activation_not_in_sampling(at: Loc, fault: FaultSpec, params: Any, scenario: Scenario
-                               ) -> list[Problem]:
-    if params is not None and params.region == "activation" and fault.phase == "sample":
-        return [(at + ("phase",), "an activation error during sampling would hit the step's "
-                                  "logits, which only the forward recomputes: use phase "
-                                  "before or forward")]
-    return []
-
-
 # --- injection ------------------------------------------------------------------------------
 
 class CorruptMemory(Injection):
@@ -141,7 +132,7 @@ SPECS = (
         summary="an uncorrectable memory error in the KV cache, the weights or the "
                 "activations (params.region); only what was hit is repaired",
         implemented=True, collective=False, ends_process=False,
-        params=UceParams, rules=(kv_after_prefill, activation_not_in_sampling),
+        params=UceParams, rules=(kv_after_prefill,),
         injection=CorruptMemory(), assess_damage=what_was_hit,
         device=DeviceRecovery(restart=True),
         doctor=DoctorRow({"*": (EMULATED, (

@@ -93,5 +93,5 @@ def assemble(*, rank: int, world: int, channels: SideChannels, backend: Backend,
     monitor.start()
     wrapper = StepWrapper(rank=rank, monitor=monitor, state=state, hooks=hooks,
                           recovery_enabled=config.enabled, is_stop_error=backend.is_stop_error,
-                          assess=assess)
+                          assess=assess, recorded_fault=backend.recorded_fault)
     return Recovery(wrapper, monitor, coordinator)

@@ -18,6 +18,14 @@ live in ``execute_model`` only (sampling is rank-local in vLLM), so ranks may st
 as long as the one behind is at a sampling RPC or idle. Anything else is refused (a ``Cause``,
 and a reason for people) rather than risking desynchronised collectives.
 
+A sampling RPC that failed (or was stopped) is never re-run from the logits its step's forward
+pass left: vLLM's sampler applies penalties, logit bias and temperature to them in place, and
+the fault itself may have hit them. The step is re-run from its forward pass instead, and since
+the forward has collectives, every rank re-runs it: the decision carries a ``Replay`` (the
+``execute_model`` RPC of that step). A rank that has already sampled that step, or that has
+gone on into the next ``execute_model``, undoes what it did since and runs it again; see
+``StepWrapper``.
+
 The side channel (``ftkit.recovery.channel``) is a key-value store (the job's TCP store), not a
 process group: it has no collective sequence to desynchronise, every wait on it has a timeout,
 and a lost peer turns into a timeout, that is, into a clean ``raise``.
@@ -128,6 +136,15 @@ _ERRORS: dict[Cause, type[RecoveryError]] = {
 
 
 @dataclass(frozen=True)
+class Replay:
+    """Every rank re-runs from the forward pass of step ``step``, its ``execute_model`` RPC
+    ``rpc`` (the RPCs a rank completed since are undone and run again)."""
+
+    rpc: int
+    step: int
+
+
+@dataclass(frozen=True)
 class Decision:
     """What a round decided, the same on every rank; ``reason`` is for people to read."""
 
@@ -137,6 +154,8 @@ class Decision:
     #: Fault kinds reported as own faults in this round (for device recovery and records).
     kinds: tuple[str, ...] = ()
     statuses: tuple[RankStatus, ...] = field(default=(), compare=False)
+    #: Set when a sampling RPC failed: the step every rank re-runs from its forward pass.
+    replay: Replay | None = None
 
     @property
     def recompute(self) -> bool:
@@ -166,8 +185,8 @@ def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
     statuses = tuple(sorted(statuses, key=lambda s: s.rank))
     kinds = tuple(sorted({s.kind for s in statuses if s.state is RankState.FAILED and s.kind}))
 
-    def rerun(reason: str) -> Decision:
-        return Decision(Action.RECOMPUTE, Cause.RERUN, reason, kinds, statuses)
+    def rerun(reason: str, replay: Replay | None = None) -> Decision:
+        return Decision(Action.RECOMPUTE, Cause.RERUN, reason, kinds, statuses, replay)
 
     def refuse(cause: Cause, reason: str) -> Decision:
         return Decision(Action.RAISE, cause, reason, kinds, statuses)
@@ -191,6 +210,19 @@ def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
                 f"rank {s.rank}: step {s.step} ({s.rpc_kind.value}) failed {s.failures} times; "
                 f"max_reinference is {max_reinference}",
             )
+    replay = replay_point(statuses)
+    if replay is not None:
+        for s in statuses:
+            if not _reaches(s, replay):
+                return refuse(
+                    Cause.OUT_OF_STEP,
+                    f"ranks are out of step: step {replay.step} is re-run from its forward "
+                    f"pass (RPC {replay.rpc}), but rank {s.rank} is {s.state.value} at RPC "
+                    f"{s.rpc} ({s.rpc_kind.value or 'idle'}), beyond what it can undo",
+                )
+        return rerun(", ".join(f"rank {s.rank} {s.state.value}" for s in statuses)
+                     + f"; every rank re-runs step {replay.step} from its forward pass",
+                     replay)
     newest = max(s.next_rpc for s in statuses)
     for s in statuses:
         if s.next_rpc == newest:
@@ -204,6 +236,31 @@ def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
                 "its collectives have no partner",
             )
     return rerun(", ".join(f"rank {s.rank} {s.state.value}" for s in statuses))
+
+
+def replay_point(statuses: Sequence[RankStatus]) -> Replay | None:
+    """The step re-run from its forward pass: that of the earliest sampling RPC some rank
+    re-runs (its ``execute_model`` is the RPC just before it on every rank), or ``None``."""
+    sampling = [s for s in statuses if s.reruns and s.rpc_kind is RpcKind.SAMPLE]
+    if not sampling:
+        return None
+    first = min(sampling, key=lambda s: s.rpc)
+    return Replay(rpc=first.rpc - 1, step=first.step)
+
+
+def _reaches(s: RankStatus, replay: Replay) -> bool:
+    """Whether rank ``s`` can get back to just before ``replay.rpc`` and run on from there:
+    a rank undoes at most that step's two RPCs and the next ``execute_model``."""
+    if s.reruns and s.rpc_kind is RpcKind.SAMPLE:
+        return s.rpc == replay.rpc + 1  # that very sampling RPC
+    if s.reruns:
+        # That step's forward itself, or the next one (having sampled that step).
+        return s.rpc in (replay.rpc, replay.rpc + 2)
+    # Completed or idle: not yet at the step (it runs it afresh), after its forward, after
+    # its sampling, or after the next ``execute_model`` when that one had no forward pass (a
+    # step that only forgets finished requests: with a forward it could not have completed
+    # while a peer was still sampling the step before).
+    return replay.rpc - 1 <= s.rpc <= replay.rpc + 2
 
 
 def trigger_key(epoch: int) -> str:

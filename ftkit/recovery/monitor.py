@@ -10,7 +10,8 @@ next recovery round. When one comes it either
 
 The main thread passes the gate before each attempt of a step (``enter_step``) and leaves it
 when the attempt returned (``exit_step_ok``) or joins the round when it raised
-(``join_after_failure``). After every round, whichever thread ran it, the round callback gets
+(``join_after_failure``). After a round it took part in that decided to re-run, it stays in the
+step until an attempt returns (``exit_step_ok`` again). After every round, whichever thread ran it, the round callback gets
 a ``RoundOutcome``.
 
 The gate takes no lock on the fault-free path: the main thread writes that it is in a step,
@@ -22,6 +23,12 @@ round at once. Leaving a step, the main thread writes that it left, then looks f
 announced meanwhile; the monitor, after announcing one to a step, looks again whether the step
 is over, and runs the round itself if it is (whichever of the two takes it under the lock
 first runs it). Everything off the fault-free path takes the lock, as before.
+
+A round that re-runs a step from its forward pass (``Decision.replay``, after a sampling
+fault) needs every rank in that forward, an idle one too: the monitor thread runs the idle
+rank's part (``replay_when_idle``, the step wrapper's) before it opens the gate again. While it
+does, it watches for no further round: a peer's fault in that forward ends it by the
+collective's bound, and the round after it by its own (``PEER_SILENT``), a clean ``raise``.
 
 The monitor survives every round, whatever its decision, and every one of its waits is
 bounded; an unexpected error in it is logged and the loop goes on (the earlier design's
@@ -73,6 +80,9 @@ class RoundOutcome:
 
 
 RoundCallback = Callable[[RoundOutcome], None]
+#: Runs an idle rank's part of a round that re-runs a step from its forward pass (given the
+#: decision and what the rank reported); set by the step wrapper.
+IdleReplay = Callable[[Decision, RankStatus], None]
 
 
 class RecoveryMonitor:
@@ -87,6 +97,8 @@ class RecoveryMonitor:
         self.gate_timeout_s = gate_timeout_s
         self._stop_communication = stop_communication
         self._on_round = on_round
+        #: The step wrapper's ``replay_when_idle`` (``None``: nothing to replay).
+        self.replay_when_idle: IdleReplay | None = None
         # The lock of everything off the fault-free path (the gate's fast path takes none:
         # see the module); a plain lock, as no thread takes it twice. ``_cond`` waits and
         # notifies on it.
@@ -233,6 +245,22 @@ class RecoveryMonitor:
 
     # --- one round ------------------------------------------------------------------------------
 
+    def _replay_idle(self, decision: Decision, status: RankStatus) -> Decision:
+        """(Monitor thread, gate held.) This idle rank's part of a re-run from a forward pass;
+        the round's decision, or ``raise`` if that part failed."""
+        assert self.replay_when_idle is not None and decision.replay is not None
+        try:
+            self.replay_when_idle(decision, status)
+        except Exception as exc:  # noqa: BLE001 - a failed replay is a clean failure
+            step = decision.replay.step
+            log.exception("ftkit: rank %d could not re-run step %d while idle",
+                          self.coordinator.rank, step)
+            return Decision(Action.RAISE, Cause.ROUND_FAILED,
+                            f"rank {self.coordinator.rank} could not re-run step {step} from "
+                            f"its forward pass while idle: {type(exc).__name__}: {exc}",
+                            decision.kinds, decision.statuses)
+        return decision
+
     def _run_round(self, channel: SideChannel, epoch: int, status: RankStatus,
                    owner: str) -> Decision:
         started = time.monotonic()
@@ -243,10 +271,18 @@ class RecoveryMonitor:
             decision = Decision(Action.RAISE, Cause.ROUND_FAILED,
                                 f"recovery round {epoch} failed on rank "
                                 f"{self.coordinator.rank}: {type(exc).__name__}: {exc}")
+        if owner == "monitor" and decision.replay is not None \
+                and self.replay_when_idle is not None:
+            decision = self._replay_idle(decision, status)
         duration = time.monotonic() - started
         with self._lock:
             if not decision.recompute:
                 self._failed = decision
+            elif owner == "main":
+                # The main thread goes on in the step: it undoes and re-runs what the round
+                # decided, which the monitor must not take for an idle rank's state (it stops
+                # the step for a further round instead); ``exit_step_ok`` ends it.
+                self._in_step = True
             self.epoch = epoch + 1
             if self._owner == owner:
                 self._owner = None

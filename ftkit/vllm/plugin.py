@@ -109,7 +109,12 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     if raw is None or getattr(worker, "_ftkit", None) is not None:
         return None
     config = RecoveryConfig.from_mapping(raw)
+    from ftkit.vllm.environment import warn_short_execute_timeout
     from ftkit.vllm.worker import FtkitWorker
+
+    if int(getattr(worker, "rank", 0)) == 0:
+        parallel = getattr(vllm_config, "parallel_config", None)
+        warn_short_execute_timeout(config, int(getattr(parallel, "world_size", 1)))
 
     ftkit_worker = FtkitWorker(worker, vllm_config, config)
     worker._ftkit = ftkit_worker

@@ -27,19 +27,24 @@ step's scheduler output,
   Every rank empties its batch before its first step after a recovery round, whether it
   rolled a step back or not, so that all ranks lay the batch out the same way.
 
-For sampling, the record holds the step's ``execute_model_state`` (``sample_tokens`` clears it
-before it samples), the state of every generator the batch samples with (seeded requests) and
-of the global generator, the batch's row map and the step's scheduler output (references, no
-copies: on a greedy batch the record costs no per-row work), so that a re-sample draws the same
-tokens. Each request's output-token count before sampling is derived from the scheduler output
-at rollback (``output_token_indices``: the tokens computed before the step plus those it
-schedules, less the prompt), and its row's ``num_tokens_no_spec`` restored to prompt + output
-tokens. vLLM keeps its rows in place while it samples and keeps ``num_tokens_no_spec = prompt
-+ output tokens`` before it samples; a test pins both on real steps, and rollback refuses
-loudly a row map that was replaced or a count the step cannot have produced.
-When any request samples randomly, the logits are copied too: the sampler divides them by the
-temperature and masks them for top-k/top-p *in place*, so a re-sample from the same tensor would
-draw from a different distribution. Greedy batches need no copy (argmax is unaffected).
+A step whose sampling failed is re-run from its forward pass on every rank (see
+``ftkit.recovery.step_wrapper``): vLLM's sampler applies penalties, logit bias, temperature and
+top-k/top-p masks to the logits *in place*, and the fault may have hit them, so the logits are
+neither kept nor sampled again. The sampling record therefore holds what sampling changes and a
+forward pass does not recompute: the state of every generator the batch samples with (seeded
+requests) and of the global generator (rows sampled randomly without a seed), the step's
+scheduler output (a reference), and, only while some request asks for prompt logprobs, their
+bookkeeping. On a greedy batch it costs no per-row work. ``rollback_sample`` restores the
+generators and takes the step's sampled token off each request's output tokens, whether the
+sampling failed or completed (a rank that already sampled the step, or went on to the next,
+undoes it too): each request's output-token count before sampling is derived from the
+scheduler output (``output_token_indices``: the tokens computed before the step plus those it
+schedules, less the prompt). The persistent batch is not touched: the step's
+``rollback_execute`` follows and empties it. A count the step cannot have produced is refused
+loudly. A request that finished with the step is forgotten by the next step's
+``_update_states``; its state is kept (a reference, through the runner's
+``_on_request_state_removed`` hook) until the next sampling, so that undoing that next step
+brings it back.
 
 Supported: the V1 runner without asynchronous scheduling, speculative decoding or pipeline
 parallelism; ``check_supported`` says so at start rather than corrupting a run.
@@ -60,22 +65,17 @@ from ftkit.vllm.resume import fast_forward
 
 @dataclass(slots=True)
 class SampleRecord:
-    execute_model_state: Any
-    #: The batch's rows: request id -> row (``req_id_to_index`` itself; sampling does not
-    #: change it).
-    rows: dict[str, int]
-    #: The scheduler output of the step being sampled (what each row's count derives from).
+    """What one ``sample_tokens`` changes that its step's forward pass does not recompute."""
+
+    #: The scheduler output of the step being sampled (what each request's count derives from).
     scheduled: Any
-    #: What random sampling needs to draw the same tokens again (``None`` when greedy).
-    random: _RandomState | None = None
-
-
-@dataclass(slots=True)
-class _RandomState:
-    #: A pristine copy of the logits.
-    logits: torch.Tensor | None
-    generator_states: dict[int, torch.Tensor]
-    global_rng: torch.Tensor | None
+    #: Each generator the batch samples with (seeded requests) and its state before sampling.
+    generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
+    #: The default generator's state, when a row samples randomly without a seed of its own.
+    global_rng: Any = None
+    #: While some request asks for prompt logprobs: ``num_prompt_logprobs`` and each such
+    #: request's partial prompt logprobs (sampling completes them and forgets both).
+    prompt_logprobs: tuple[dict[str, int], dict[str, Any]] | None = None
 
 
 def check_supported(runner: Any) -> None:
@@ -136,23 +136,42 @@ class V1RunnerState:
         self._fast_forwarded: dict[str, Any] = {}
         #: Whether lost KV waits to be recomputed (``StepState.repair_pending``).
         self.repair_pending = False
+        #: Request states that ``_update_states`` forgot since the last sampling (finished
+        #: requests), so that ``rollback_execute`` can bring them back.
+        self._forgotten: dict[str, Any] = {}
+        self._on_removed: Callable[[str, Any], None] | None = getattr(
+            runner, "_on_request_state_removed", None)
+        if self._on_removed is not None:
+            runner._on_request_state_removed = self._keep_removed
+
+    def _keep_removed(self, req_id: str, state: Any) -> None:
+        """vLLM's hook after it forgets a request state (``_update_states``)."""
+        if state is not None:
+            self._forgotten[req_id] = state
+        assert self._on_removed is not None
+        self._on_removed(req_id, state)
 
     # --- execute_model ----------------------------------------------------------------------
 
     def rollback_execute(self, scheduler_output: Any) -> None:
         """Undo what ``execute_model(scheduler_output)`` changed, whether or not the failed
-        attempt got as far as ``_update_states``: forget the requests it introduced, take the
-        KV block ids it appended off the end of each request's lists (in place), empty the
-        batch."""
+        attempt got as far as ``_update_states``: bring back the finished requests it forgot,
+        forget the requests it introduced, take the KV block ids it appended off the end of
+        each request's lists (in place), empty the batch."""
         runner = self.runner
         runner.execute_model_state = None
         requests = runner.requests
+        forgotten = self._forgotten
+        for req_id in scheduler_output.finished_req_ids:
+            state = forgotten.pop(req_id, None)
+            if state is not None and req_id not in requests:
+                requests[req_id] = state
         for new in scheduler_output.scheduled_new_reqs:
             req_id = new.req_id
             state = requests.pop(req_id, None)
             runner.num_prompt_logprobs.pop(req_id, None)
-            if state is not None and hasattr(runner, "_on_request_state_removed"):
-                runner._on_request_state_removed(req_id, state)
+            if state is not None and self._on_removed is not None:
+                self._on_removed(req_id, state)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
@@ -207,48 +226,47 @@ class V1RunnerState:
     def begin_sample(self, scheduler_output: Any) -> SampleRecord:
         runner = self.runner
         batch = runner.input_batch
+        if self._forgotten:
+            self._forgotten.clear()  # the step that forgot them can no longer be undone
+        record = SampleRecord(scheduler_output)
         if batch.generators:
             # A request resumed after an engine death continues its seeded stream.
             fast_forward(runner, self._fast_forwarded)
-        state = runner.execute_model_state
-        record = SampleRecord(state, batch.req_id_to_index, scheduler_output)
+            # (vLLM gives only randomly sampled rows a generator; seeded rows have one each.)
+            record.generators = tuple((gen, gen.get_state())
+                                      for gen in batch.generators.values())
         # ``random_reqs``: the rows that sample randomly (``all_greedy`` is its emptiness).
-        sampled_randomly = bool(batch.random_reqs)
-        # (vLLM gives only randomly sampled rows a generator; seeded rows have one each.)
-        if sampled_randomly or batch.generators:
-            logits = getattr(state, "logits", None) if sampled_randomly and state is not None \
-                else None
-            record.random = _RandomState(
-                logits.clone() if logits is not None else None,
-                {index: gen.get_state() for index, gen in batch.generators.items()},
-                self.rng.get_rng_state() if sampled_randomly else None)
+        if batch.random_reqs:
+            record.global_rng = self.rng.get_rng_state()
+        if runner.num_prompt_logprobs:
+            record.prompt_logprobs = (dict(runner.num_prompt_logprobs), {
+                req_id: getattr(runner.requests.get(req_id),
+                                "in_progress_prompt_logprobs_cpu", None)
+                for req_id in runner.num_prompt_logprobs})
         return record
 
     def rollback_sample(self, record: SampleRecord) -> None:
+        """Undo ``sample_tokens``, failed or completed: generators, prompt-logprob
+        bookkeeping, and the step's token off each request's output tokens. The step's
+        ``rollback_execute`` must follow (it empties the batch, whose rows this leaves)."""
         runner = self.runner
-        batch = runner.input_batch
-        state = record.execute_model_state
-        random = record.random
-        if random is not None:
-            if random.logits is not None and state is not None:
-                # Hand out a copy: the saved one must stay pristine for a further retry.
-                state = state._replace(logits=random.logits.clone())
-            for index, gen_state in random.generator_states.items():
-                batch.generators[index].set_state(gen_state)
-            if random.global_rng is not None:
-                self.rng.set_rng_state(random.global_rng)
-        runner.execute_model_state = state
-        if batch.req_id_to_index is not record.rows:
-            raise FtkitError("ftkit: cannot restore the sampled tokens: the batch's rows "
-                             "changed during sampling (vLLM no longer keeps them in place)")
+        for gen, state in record.generators:
+            gen.set_state(state)
+        if record.global_rng is not None:
+            self.rng.set_rng_state(record.global_rng)
+        requests = runner.requests
+        if record.prompt_logprobs is not None:
+            counts, partial = record.prompt_logprobs
+            runner.num_prompt_logprobs.update(counts)
+            for req_id, tensors in partial.items():
+                state = requests.get(req_id)
+                if state is not None:
+                    state.in_progress_prompt_logprobs_cpu = tensors
         # Output tokens of each request before this step sampled (a prompt chunk that does
         # not reach the prompt's end samples nothing and is left out).
-        before = self.output_token_indices(record.scheduled)
-        requests = runner.requests
-        for req_id, index in record.rows.items():
-            num_output = before.get(req_id)
+        for req_id, num_output in self.output_token_indices(record.scheduled).items():
             state = requests.get(req_id)
-            if num_output is None or state is None:
+            if state is None:
                 continue
             output = state.output_token_ids
             if not 0 <= num_output <= len(output):
@@ -257,7 +275,6 @@ class V1RunnerState:
                     f"{num_output} output tokens, but it has {len(output)} now; sampling no "
                     f"longer appends to the request's output tokens as this rollback expects")
             del output[num_output:]
-            batch.num_tokens_no_spec[index] = state.num_prompt_tokens + num_output
 
     # --- what a step computes ---------------------------------------------------------------
 

@@ -119,8 +119,7 @@ class FtkitWorker:
         world = dist.get_world_size() if dist.is_initialized() else 1
         store = dist.distributed_c10d._get_default_store() if world > 1 else None
         self.backend = make_backend(self.rank, store.clone() if store is not None else None)
-        if self.config.op_timeout_s is not None:
-            self.backend.set_op_timeout(self.config.op_timeout_s)
+        self.backend.set_op_timeout(self.config.op_timeout_s)  # None: the default bound
         memory = RunnerMemory(runner, getattr(self.vllm_config.model_config, "model", None))
         state = V1RunnerState(runner, rng=self.backend, on_kv_recomputed=self._record_kv)
         if world > 1:

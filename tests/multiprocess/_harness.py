@@ -217,26 +217,29 @@ class RecordingState:
 
     def execute_starts(self, step: int) -> None:
         """Called by the step itself (each attempt): the state before its first attempt is
-        what a rollback of it restores (the step's input alone cannot say)."""
+        what a rollback of it restores (the step's input alone cannot say). A step re-run
+        from its forward pass is undone with the one after it: the last two are kept."""
         if self.step != step:
             self.step = step
-            self._before_step = self.acc.clone()
+            self._before = {s: t for s, t in getattr(self, "_before", {}).items()
+                            if step - 2 <= s < step}
+            self._before.setdefault(step, self.acc.clone())
         if self._reset_pending:  # emptied before this attempt of the step
             self.resets.append(step)
             self._reset_pending = False
 
     def rollback_execute(self, scheduler_output: Any) -> None:
-        assert scheduler_output == self.step
-        self.rollbacks.append(["execute", self.step])
-        self.acc.copy_(self._before_step)
+        self.rollbacks.append(["execute", scheduler_output])
+        self.acc.copy_(self._before[scheduler_output])
 
     def begin_sample(self, scheduler_output: Any) -> Any:
         assert scheduler_output == self.step
-        return self.acc.clone()
+        return scheduler_output, self.acc.clone()
 
     def rollback_sample(self, record: Any) -> None:
-        self.rollbacks.append(["sample", self.step])
-        self.acc.copy_(record)
+        step, before = record
+        self.rollbacks.append(["sample", step])
+        self.acc.copy_(before)
 
     def reset_batch(self) -> None:
         self._reset_pending = True

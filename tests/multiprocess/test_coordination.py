@@ -153,10 +153,11 @@ def test_sample_fault_while_peer_idle_monitor_takes_part(tmp_path):
     assert rnd0["decision"] == rnd1["decision"] == "recompute"
     assert rnd0["states"] == rnd1["states"] == {"0": "failed", "1": "idle"}
 
-    assert r0["rollbacks"] == [["sample", 2]]
-    assert r1["rollbacks"] == []
-    # Both ranks lay their batch out afresh before the first execute after the round, the
-    # one that rolled nothing back included: TP ranks must order their rows alike.
+    # The step is re-run from its forward pass on both ranks: on rank 1, which had sampled
+    # it already, in its monitor thread.
+    assert r0["rollbacks"] == r1["rollbacks"] == [["sample", 2], ["execute", 2]]
+    # Both ranks lay their batch out afresh before the first execute after the round (not
+    # before the re-run step, whose undo emptied it): TP ranks must order their rows alike.
     assert r0["resets"] == r1["resets"] == [3]
     assert [x["rpc"] for x in r0["recovered"]] == ["sample"]
     # The rebuild happened on both ranks: on rank 1 in its monitor thread.
@@ -240,9 +241,12 @@ def test_three_ranks_two_faults_in_one_step_then_a_sample_fault(tmp_path):
         assert len(res["replacements"]) == 2 and res["groups_replaced"]
         assert [b["kinds"] for b in res["rebuilds"]] == [["link_break"], ["oom"]]
     r0, r1, r2 = results
-    assert r0["rollbacks"] == [["execute", 2], ["sample", 4]]
-    # Ranks 1 and 2 were stopped in step 5's collectives and re-ran them.
-    assert r1["rollbacks"] == r2["rollbacks"] == [["execute", 2], ["execute", 5]]
+    # Step 4 is re-run from its forward pass on every rank: rank 0 undoes its sampling
+    # and its forward; ranks 1 and 2, stopped in step 5's collectives, undo that attempt,
+    # step 4's sampling and its forward, then run all three again.
+    assert r0["rollbacks"] == [["execute", 2], ["sample", 4], ["execute", 4]]
+    assert r1["rollbacks"] == r2["rollbacks"] == [["execute", 2], ["execute", 5], ["sample", 4],
+                                                  ["execute", 4]]
     # Every rank emptied its batch before its first execute after each round: rank 0 before
     # step 5's first attempt, ranks 1 and 2 before its re-run.
     assert r0["resets"] == r1["resets"] == r2["resets"] == [2, 5]

@@ -15,6 +15,7 @@ import pytest
 from ftkit.contracts.step import RpcKind
 from ftkit.errors import RecoveryError, RecoveryInconsistent, ReinferenceExhausted
 from ftkit.recovery import Action, Cause, RankState, RankStatus, decide
+from ftkit.recovery.coordinator import Replay
 
 EXECUTE, SAMPLE, NONE = RpcKind.EXECUTE, RpcKind.SAMPLE, RpcKind.NONE
 LINK = "link_break"
@@ -119,33 +120,74 @@ def test_sample_rerun_behind_a_peer_stopped_at_next_execute_recomputes():
 
 
 def test_execute_rerun_behind_a_peer_at_next_rpc_raises_out_of_step():
-    # Rank 0 would re-run the collectives of execute RPC 10 that rank 1 has already passed.
-    d = decide([failed(0, 10, rpc_kind=EXECUTE), stopped(1, 11, rpc_kind=SAMPLE)],
+    # Rank 0 would re-run the collectives of execute RPC 10 that rank 1 has already passed
+    # (and sampled after them): no sampling RPC failed, so nobody re-runs from a forward.
+    d = decide([failed(0, 10, rpc_kind=EXECUTE), completed(1, 11, rpc_kind=SAMPLE)],
                max_reinference=3)
     assert d.action is Action.RAISE
     assert d.cause is Cause.OUT_OF_STEP and d.error is RecoveryInconsistent
     assert "out of step" in d.reason
-    assert "rank 0" in d.reason and "RPC 10" in d.reason and "RPC 11" in d.reason
+    assert "rank 0" in d.reason and "RPC 10" in d.reason and "RPC 12" in d.reason
 
 
-def test_stopped_execute_behind_a_completed_peer_raises_out_of_step():
-    d = decide([stopped(0, 10, rpc_kind=EXECUTE), completed(1, 10), failed(2, 11, rpc_kind=SAMPLE)],
-               max_reinference=3)
-    assert d.action is Action.RAISE
-    assert "out of step" in d.reason
-
-
-@pytest.mark.parametrize("behind", [
-    failed(0, 8, "oom", rpc_kind=SAMPLE),
-    stopped(0, 8, rpc_kind=SAMPLE),
-    idle(0, 7),
+@pytest.mark.parametrize("behind, named", [
+    (failed(0, 8, "oom", rpc_kind=SAMPLE), "rank 1"),
+    (stopped(0, 8, rpc_kind=SAMPLE), "rank 1"),
+    (idle(0, 7), "rank 0"),
 ])
-def test_ranks_two_rpcs_apart_raise(behind):
+def test_ranks_two_rpcs_apart_raise(behind, named):
     d = decide([behind, failed(1, 10)], max_reinference=3)
     assert d.action is Action.RAISE
     assert d.cause is Cause.OUT_OF_STEP
     assert "out of step" in d.reason
-    assert "rank 0" in d.reason
+    assert named in d.reason
+
+
+# --- a failed sampling RPC: every rank re-runs its step from the forward pass ----------------
+
+@pytest.mark.parametrize("peer", [
+    stopped(1, 11, step=6),                       # sampled step 5, stopped in the next forward
+    failed(1, 11, "oom", step=6),                 # sampled step 5, failed in the next forward
+    idle(1, 10),                                  # sampled step 5, waits for the next RPC
+    completed(1, 10, rpc_kind=SAMPLE),            # sampled step 5 while the round was pending
+    idle(1, 9),                                   # ran the forward of step 5, not its sampling
+    completed(1, 9, rpc_kind=EXECUTE),
+    stopped(1, 10, rpc_kind=SAMPLE, step=5),      # stopped in the same sampling RPC
+    failed(1, 9, "oom", step=5),                  # failed after its last collective of step 5
+    idle(1, 8),                                   # not yet at step 5: runs its forward afresh
+    idle(1, 11),                                  # sampled step 5 and ran a next step that
+    completed(1, 11, rpc_kind=EXECUTE),           # had no forward (it forgot finished requests)
+])
+def test_a_failed_sampling_rpc_reruns_its_step_from_the_forward_pass(peer):
+    d = decide([failed(0, 10, "oom", rpc_kind=SAMPLE, step=5), peer], max_reinference=3)
+    assert d.recompute, d.reason
+    assert d.replay == Replay(rpc=9, step=5)
+    assert "re-runs step 5 from its forward pass" in d.reason
+
+
+def test_the_earliest_failed_sampling_rpc_sets_the_step_rerun():
+    d = decide([stopped(0, 10, rpc_kind=SAMPLE, step=5), failed(1, 10, "oom", rpc_kind=SAMPLE,
+                                                                step=5)], max_reinference=3)
+    assert d.replay == Replay(rpc=9, step=5)
+
+
+@pytest.mark.parametrize("peer", [
+    completed(1, 12, rpc_kind=SAMPLE),    # sampled the next step too
+    stopped(1, 13, step=7),               # two steps ahead
+    idle(1, 7),                           # behind the step's forward by a sampling RPC
+    failed(1, 12, "oom", rpc_kind=SAMPLE, step=6),  # failed sampling a later step
+])
+def test_a_rank_beyond_what_it_can_undo_makes_the_rerun_out_of_step(peer):
+    d = decide([failed(0, 10, "oom", rpc_kind=SAMPLE, step=5), peer], max_reinference=3)
+    assert d.action is Action.RAISE and d.cause is Cause.OUT_OF_STEP
+    assert d.error is RecoveryInconsistent
+    assert "re-run from its forward pass (RPC 9)" in d.reason
+    assert "beyond what it can undo" in d.reason
+
+
+def test_without_a_sampling_failure_nothing_is_rerun_from_a_forward_pass():
+    d = decide([failed(0, 11), idle(1, 10)], max_reinference=3)
+    assert d.recompute and d.replay is None
 
 
 def test_idle_rank_one_behind_recomputes():
@@ -169,7 +211,8 @@ def test_completed_rank_at_same_rpc_as_failed_sampler_recomputes():
 @pytest.mark.parametrize("statuses", [
     [stopped(0, 7), failed(1, 7), idle(2, 6), failed(3, 7, "oom")],
     [failed(0, 10, "oom", rpc_kind=SAMPLE), stopped(1, 11), stopped(2, 11)],
-    [failed(0, 10, rpc_kind=EXECUTE), stopped(1, 11, rpc_kind=SAMPLE), stopped(2, 11)],
+    [failed(0, 10, rpc_kind=EXECUTE), completed(1, 11, rpc_kind=SAMPLE), stopped(2, 11)],
+    [failed(0, 10, "oom", rpc_kind=SAMPLE, step=5), stopped(1, 11, step=6), idle(2, 10)],
     [failed(0, 3), failed(1, 3, None, error="ValueError: x"), stopped(2, 3)],
     [stopped(0, 4, failures=4), failed(1, 4, failures=4), idle(2, 3)],
     [failed(0, 8, "oom", rpc_kind=SAMPLE), idle(1, 7), failed(2, 10)],

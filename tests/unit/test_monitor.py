@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -30,7 +31,9 @@ def make_monitor(channel: MemoryChannel) -> RecoveryMonitor:
 def test_rank_between_a_failed_attempt_and_its_rerun_reports_the_rpc_it_will_rerun():
     """Regression: a peer's second flap arrived while this rank was between its rolled-back
     attempt and the re-run; the monitor reported the failed RPC as completed, and the round
-    wrongly found the ranks out of step."""
+    wrongly found the ranks out of step. After a round that decided to re-run, the main thread
+    stays in its step (it may be undoing RPCs, which the monitor must not answer for): the
+    monitor stops it, and its re-run attempt reports the RPC it re-runs."""
     channel = MemoryChannel()
     monitor = make_monitor(channel)
     monitor.start()
@@ -46,14 +49,25 @@ def test_rank_between_a_failed_attempt_and_its_rerun_reports_the_rpc_it_will_rer
             RankStatus(0, RankState.STOPPED, 5, RpcKind.EXECUTE, 2, failures=1))
         peer.join(10)
         assert first.recompute
-        # Before this rank re-enters RPC 5, the peer fails it again: the monitor answers.
-        peer_reports(channel, 1, RankStatus(1, RankState.FAILED, 5, RpcKind.EXECUTE, 2,
-                                            failures=2, kind="link_break"))
+        # Before this rank re-enters RPC 5, the peer fails it again: the monitor stops the
+        # step rather than answer for it, and the re-run attempt joins the round.
+        stops = []
+        monitor._stop_communication = lambda: stops.append(True)
+        peer = threading.Thread(target=peer_reports, args=(channel, 1, RankStatus(
+            1, RankState.FAILED, 5, RpcKind.EXECUTE, 2, failures=2, kind="link_break")))
+        peer.start()
+        assert channel.wait(["round/1/status/1"], 10)
+        deadline = time.monotonic() + 10
+        while not stops and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stops and not channel.has("round/1/status/0")
+        monitor.enter_step(5, RpcKind.EXECUTE, 2)
+        second = monitor.join_after_failure(
+            RankStatus(0, RankState.STOPPED, 5, RpcKind.EXECUTE, 2, failures=2))
+        peer.join(10)
         mine = RankStatus.from_json(channel.get("round/1/status/0"))
-        assert mine.state is RankState.IDLE
-        assert mine.next_rpc == 5
-        assert channel.wait(["round/1/done/0"], 10)
-        assert channel.get("round/1/done/0") == b"recompute"
+        assert mine.state is RankState.STOPPED and mine.next_rpc == 5
+        assert second.recompute, second.reason
     finally:
         monitor.shutdown()
 

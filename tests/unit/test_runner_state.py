@@ -1,6 +1,6 @@
 """The rollback record of ``V1RunnerState`` on a stand-in for vLLM's V1 runner: what it keeps
-(O(1) on a decode step that allocates no block) and that rollback puts back exactly what a
-step changes. ``tests/vllm/test_recovery_tp1.py`` pins the vLLM invariants it relies on."""
+(O(1) on a decode step that allocates no block, never the logits) and that rollback puts back
+exactly what a step changes. ``tests/vllm/test_recovery_tp1.py`` pins the vLLM invariants it relies on."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def runner(requests: dict[str, Any], batch: Batch) -> SimpleNamespace:
 
 def scheduled(new: list[str] = (), cached: list[str] = (), new_blocks: list[Any] = (),
               resumed: set[str] = frozenset(), computed: list[int] = (),
-              tokens: dict[str, int] | None = None) -> SimpleNamespace:
+              tokens: dict[str, int] | None = None,
+              finished: set[str] = frozenset()) -> SimpleNamespace:
     """A scheduler output: ``computed`` tokens of each cached request before the step,
     ``tokens`` scheduled per request (one each by default)."""
     return SimpleNamespace(
@@ -57,7 +58,8 @@ def scheduled(new: list[str] = (), cached: list[str] = (), new_blocks: list[Any]
                                               resumed_req_ids=set(resumed),
                                               num_computed_tokens=list(computed)),
         num_scheduled_tokens=tokens if tokens is not None else dict.fromkeys(
-            [*new, *cached], 1))
+            [*new, *cached], 1),
+        finished_req_ids=set(finished))
 
 
 def decode_step(r: SimpleNamespace) -> SimpleNamespace:
@@ -108,19 +110,18 @@ def test_rollback_execute_takes_off_only_what_each_kv_group_got():
     assert a.block_ids == ([0, 1], [5])
 
 
-def test_rollback_sample_derives_each_rows_output_count_from_the_scheduler_output():
+def test_rollback_sample_derives_each_requests_output_count_from_the_scheduler_output():
     a, b = request(3, [7, 8], [0]), request(4, [], [1])
     state, r = make(a=a, b=b)
     so = decode_step(r)
     record = state.begin_sample(so)
-    assert record.rows is r.input_batch.req_id_to_index and record.scheduled is so
-    # What sample_tokens does: one token per row, in the request state and the row's count.
+    assert record.scheduled is so and record.generators == () and record.global_rng is None
+    # What sample_tokens does: one token per request (completed: the step is undone the same
+    # way whether its sampling failed or completed).
     a.output_token_ids.append(11)
     b.output_token_ids.append(12)
-    r.input_batch.num_tokens_no_spec[:2] += 1
     state.rollback_sample(record)
     assert a.output_token_ids == [7, 8] and b.output_token_ids == []
-    assert r.input_batch.num_tokens_no_spec[:2].tolist() == [5, 4]
     # The record stays valid: a second rollback after a second failure restores the same.
     a.output_token_ids.append(13)
     state.rollback_sample(record)
@@ -134,10 +135,8 @@ def test_rollback_sample_leaves_a_prompt_chunk_that_samples_nothing_alone():
     record = state.begin_sample(scheduled(cached=["a", "b"], new_blocks=[None, None],
                                           computed=[4, 3], tokens={"a": 4, "b": 1}))
     b.output_token_ids.append(12)
-    r.input_batch.num_tokens_no_spec[1] += 1
     state.rollback_sample(record)
-    assert a.output_token_ids == [] and r.input_batch.num_tokens_no_spec[0] == 10
-    assert b.output_token_ids == [7] and r.input_batch.num_tokens_no_spec[1] == 4
+    assert a.output_token_ids == [] and b.output_token_ids == [7]
 
 
 def test_rollback_sample_refuses_a_count_the_step_cannot_have_produced():
@@ -149,29 +148,77 @@ def test_rollback_sample_refuses_a_count_the_step_cannot_have_produced():
         state.rollback_sample(record)
 
 
-def test_rollback_sample_refuses_rows_that_moved():
-    state, r = make(a=request(3, [7], [0]), b=request(4, [], [1]))
-    record = state.begin_sample(decode_step(r))
-    r.input_batch.req_id_to_index = {"a": 1, "b": 0}
-    with pytest.raises(FtkitError, match="rows"):
-        state.rollback_sample(record)
-
-
-def test_a_random_batch_keeps_pristine_logits_and_every_generator():
+def test_a_random_batch_keeps_every_generator_and_never_the_logits():
     state, r = make(a=request(3, [7], [0]))
     batch = r.input_batch
     batch.random_reqs = {"a"}
     gen = torch.Generator().manual_seed(5)
     batch.generators = {0: gen}
     logits = torch.arange(4.0)
-    r.execute_model_state = SimpleNamespace(logits=logits,
-                                            _replace=lambda **kw: SimpleNamespace(**kw))
+    r.execute_model_state = SimpleNamespace(logits=logits)
+    torch.manual_seed(3)
     record = state.begin_sample(decode_step(r))
-    drawn = torch.rand(3, generator=gen)
-    logits.mul_(0)  # the sampler works on the logits in place
+    # Only generator states: the logits are neither copied nor referenced.
+    assert not any(isinstance(v, torch.Tensor) and v.numel() == 4
+                   for v in (record.scheduled, record.global_rng))
+    assert [g for g, _ in record.generators] == [gen]
+    drawn, drawn_global = torch.rand(3, generator=gen), torch.rand(3)
     state.rollback_sample(record)
     assert torch.equal(torch.rand(3, generator=gen), drawn)
-    assert r.execute_model_state.logits.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert torch.equal(torch.rand(3), drawn_global)
+
+
+def test_undoing_the_next_step_brings_back_the_requests_it_forgot_as_finished():
+    """A rank that sampled step N and went into step N+1 undoes both when step N is re-run
+    from its forward pass: N+1's ``_update_states`` forgot the requests that finished with N,
+    and step N needs them back."""
+    done, going = request(3, [7, 8], [0]), request(4, [5], [1])
+    state, r = make(done=done, going=going)
+    removed = []
+    r._on_request_state_removed = lambda req_id, s: removed.append(req_id)
+    state = V1RunnerState(r)
+    state.reset_batch = lambda: None
+    step_n = decode_step(r)
+    record = state.begin_sample(step_n)
+    done.output_token_ids.append(9)
+    going.output_token_ids.append(6)
+    step_next = scheduled(cached=["going"], new_blocks=[None], computed=[5],
+                          finished={"done"})
+    # What N+1's _update_states does to a finished request.
+    r._on_request_state_removed("done", r.requests.pop("done"))
+    assert removed == ["done"]  # vLLM's own hook still runs
+    state.rollback_execute(step_next)
+    assert r.requests["done"] is done
+    state.rollback_sample(record)
+    assert done.output_token_ids == [7, 8] and going.output_token_ids == [5]
+
+
+def test_forgotten_requests_are_kept_only_until_the_next_sampling():
+    done = request(3, [7], [0])
+    state, r = make(done=done)
+    r._on_request_state_removed = lambda req_id, s: None
+    state = V1RunnerState(r)
+    state.reset_batch = lambda: None
+    r._on_request_state_removed("done", r.requests.pop("done"))
+    state.begin_sample(scheduled())
+    state.rollback_execute(scheduled(finished={"done"}))
+    assert "done" not in r.requests
+
+
+def test_completed_prompt_logprobs_bookkeeping_is_undone():
+    a = request(10, [], [0])
+    a.in_progress_prompt_logprobs_cpu = partial = object()
+    state, r = make(a=a)
+    r.num_prompt_logprobs["a"] = 2
+    record = state.begin_sample(scheduled(cached=["a"], new_blocks=[None], computed=[6],
+                                          tokens={"a": 4}))
+    # The last chunk of the prompt completes its prompt logprobs, and samples a token.
+    del r.num_prompt_logprobs["a"]
+    a.in_progress_prompt_logprobs_cpu = None
+    a.output_token_ids.append(3)
+    state.rollback_sample(record)
+    assert r.num_prompt_logprobs == {"a": 2} and a.in_progress_prompt_logprobs_cpu is partial
+    assert a.output_token_ids == []
 
 
 def test_pipeline_parallelism_is_refused_at_start():

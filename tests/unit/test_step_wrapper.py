@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
+from ftkit.contracts.step import RpcKind
 from ftkit.errors import RecoveryError, RecoveryInconsistent, ReinferenceExhausted
 from ftkit.faults import LinkError
-from ftkit.recovery import Action, Cause, Decision, StepWrapper
+from ftkit.recovery import Action, Cause, Decision, RankState, RankStatus, StepWrapper
+from ftkit.recovery.coordinator import Replay
 
 
 class Gate:
@@ -165,3 +167,143 @@ def test_lost_state_is_repaired_before_the_attempt_only_while_a_repair_is_pendin
     step.execute_model(lambda batch: "out", "second")
     step.execute_model(lambda batch: "out", "third")
     assert state.repairs == ["second"]
+
+
+# --- a failed sampling RPC: the step is re-run from its forward pass -------------------------
+
+class Journal(State):
+    """A state that logs each undo, and each RPC the worker runs, in one list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def rollback_execute(self, record: Any) -> None:
+        self.log.append(f"undo {record}")
+
+    def begin_sample(self, scheduler_output: Any) -> Any:
+        return f"sample of {scheduler_output}"
+
+    def rollback_sample(self, record: Any) -> None:
+        self.log.append(f"undo {record}")
+
+
+def worker(state: Journal, fail: dict[str, int]):
+    """The worker's two step methods; ``fail[name]`` attempts of the RPC named raise first."""
+    def execute(batch: Any) -> Any:
+        state.log.append(f"run {batch}")
+        if fail.get(batch, 0):
+            fail[batch] -= 1
+            raise LinkError("injected link break")
+        return None
+
+    def sample(grammar: Any) -> Any:
+        state.log.append(f"run {grammar}")
+        if fail.get(grammar, 0):
+            fail[grammar] -= 1
+            raise LinkError("injected link break")
+        return f"tokens of {grammar} #{state.log.count(f'run {grammar}')}"
+    return execute, sample
+
+
+def replay_of(step: int) -> Decision:
+    return Decision(Action.RECOMPUTE, Cause.RERUN, "a sampling RPC failed",
+                    replay=Replay(rpc=2 * step - 1, step=step))
+
+
+def test_a_failed_sampling_rpc_reruns_the_step_from_its_forward_pass():
+    state = Journal()
+    execute, sample = worker(state, {"g1": 1})
+    step = wrapper(Gate(replay_of(1)), state)
+    step.execute_model(execute, "s1")
+    assert step.sample_tokens(sample, "g1") == "tokens of g1 #2"
+    assert state.log == ["run s1", "run g1", "undo sample of s1", "undo s1", "run s1", "run g1"]
+
+
+def test_a_rank_in_the_next_forward_undoes_it_and_the_step_then_reruns_all():
+    # The peer failed sampling step 1; this rank sampled it and is stopped in step 2's forward.
+    state = Journal()
+    execute, sample = worker(state, {"s2": 1})
+    step = wrapper(Gate(replay_of(1)), state)
+    step.execute_model(execute, "s1")
+    step.sample_tokens(sample, "g1")
+    assert step.execute_model(execute, "s2") is None
+    assert state.log == ["run s1", "run g1", "run s2",
+                         "undo s2", "undo sample of s1", "undo s1",
+                         "run s1", "run g1", "run s2"]
+    # The step's sampling returned once to the engine; its re-run output is dropped, and
+    # the next sampling record is that of step 2.
+    assert step.sample_tokens(sample, "g2") == "tokens of g2 #1"
+
+
+def test_a_rank_that_completed_the_sampling_returns_the_rerun_output():
+    # This rank's sampling returned while the round was pending: it joins at exit.
+    state = Journal()
+    execute, sample = worker(state, {})
+    gate = Gate()
+    step = wrapper(gate, state)
+    step.execute_model(execute, "s1")
+    exits = iter([replay_of(1), None, None])
+    gate.exit_step_ok = lambda: next(exits)
+    assert step.sample_tokens(sample, "g1") == "tokens of g1 #2"
+    assert state.log == ["run s1", "run g1", "undo sample of s1", "undo s1", "run s1", "run g1"]
+
+
+def test_an_idle_rank_reruns_the_step_it_completed_in_its_monitor_thread():
+    state = Journal()
+    execute, sample = worker(state, {})
+    gate = Gate()
+    step = wrapper(gate, state)
+    assert gate.replay_when_idle == step.replay_when_idle  # the monitor's callback
+    step.execute_model(execute, "s1")
+    step.sample_tokens(sample, "g1")
+    status = RankStatus(0, RankState.IDLE, 2)
+    step.replay_when_idle(replay_of(1), status)
+    assert state.log == ["run s1", "run g1", "undo sample of s1", "undo s1", "run s1", "run g1"]
+    # Idle after the forward only: that forward is re-run, sampling comes as its own RPC.
+    state.log.clear()
+    step.execute_model(execute, "s2")
+    step.replay_when_idle(replay_of(2), RankStatus(0, RankState.IDLE, 3))
+    assert state.log == ["run s2", "undo s2", "run s2"]
+    # Idle after a next step without a forward pass (it only forgot finished requests):
+    # that one is undone and run again too.
+    state.log.clear()
+    step.sample_tokens(sample, "g2")
+    step.execute_model(execute, "s3")
+    step.replay_when_idle(replay_of(2), RankStatus(0, RankState.IDLE, 5))
+    assert state.log == ["run g2", "run s3", "undo s3", "undo sample of s2", "undo s2",
+                         "run s2", "run g2", "run s3"]
+    # A round that re-runs no forward needs nothing from an idle rank.
+    state.log.clear()
+    step.replay_when_idle(Decision(Action.RECOMPUTE, Cause.RERUN, "x"), RankStatus(0, RankState.IDLE, 3))
+    assert state.log == []
+
+
+def test_a_flapping_sampling_fault_counts_every_attempt_across_the_reruns():
+    hook = Hook(True)
+    state = Journal()
+    execute, sample = worker(state, {"g1": 2})
+    step = StepWrapper(rank=0, monitor=Gate(replay_of(1), replay_of(1)),  # type: ignore[arg-type]
+                       state=state, hooks=[hook], is_stop_error=lambda exc: False)
+    step.execute_model(execute, "s1")
+    assert step.sample_tokens(sample, "g1") == "tokens of g1 #3"
+    assert hook.attempts == [("execute", 1, 0), ("sample", 1, 0), ("execute", 1, 1),
+                             ("sample", 1, 1), ("execute", 1, 2), ("sample", 1, 2)]
+    assert hook.recovered == [("sample", 1, 2)]
+    reports = step.monitor.reports
+    assert [(r.rpc, r.rpc_kind.value, r.step, r.failures) for r in reports] == \
+        [(2, "sample", 1, 1), (2, "sample", 1, 2)]
+
+
+def test_a_failure_while_rerunning_the_forward_reports_that_rpc():
+    state = Journal()
+    execute, sample = worker(state, {"g1": 1})
+    gate = Gate(replay_of(1), Decision(Action.RECOMPUTE, Cause.RERUN, "forward failed"))
+    step = wrapper(gate, state)
+    step.execute_model(execute, "s1")
+    # The forward's re-run fails once: the round after it re-runs that forward alone.
+    step._calls[RpcKind.EXECUTE], _ = worker(state, {"s1": 1})
+    assert step.sample_tokens(sample, "g1") == "tokens of g1 #2"
+    assert [(r.rpc, r.rpc_kind.value) for r in gate.reports] == [(2, "sample"), (1, "execute")]
+    assert state.log == ["run s1", "run g1", "undo sample of s1", "undo s1", "run s1",
+                         "undo s1", "run s1", "run g1"]
