@@ -174,8 +174,9 @@ def _snapshot(result: dict[str, Any]) -> str:
                        f"{hi[2] / 2**20:.0f} MiB at {hi[0]} x {hi[1]}.")
     reading.append("The times are taken where the calls run, first thing in the RPC after a "
                    "forward pass, with cold caches: a few microseconds of each are the cache "
-                   "misses of any code run there. Seeded sampling also copies the logits and "
-                   "every generator's state (5 KiB each), per seeded request.")
+                   "misses of any code run there. Seeded sampling also copies every generator's "
+                   "state (5 KiB each), per seeded request; never the logits (a fault while "
+                   "sampling re-runs the step's forward pass).")
     return ("### Snapshot cost\n\n"
             "The per-step rollback record (`V1RunnerState.begin_sample`; `execute_model` takes "
             "none: its rollback is derived from its scheduler output), timed around the real "

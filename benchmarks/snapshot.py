@@ -10,8 +10,8 @@ Only steady decode steps count: steps that schedule exactly the workload's reque
 each.
 
 Bytes are what the record allocates: its containers (``sys.getsizeof``) and the arrays and
-tensors it copies (the rows' token counts, logits and generator states, ``nbytes``). What it
-only refers to (request ids, the step's forward state, which vLLM keeps anyway) is not counted.
+tensors it copies (generator states, ``nbytes``). What it only refers to (the step's
+scheduler output, which vLLM keeps anyway) is not counted.
 
 The legacy column times ``input_batch.token_ids_cpu_tensor.clone()`` on the same runner, the
 copy the earlier design made twice per step, and gives the bytes of the two copies.
@@ -36,9 +36,9 @@ from ftkit import EngineSession, EngineSpec, RecoveryConfig, SamplingSpec
 GREEDY = SamplingSpec(max_tokens=24)
 SEEDED = SamplingSpec(max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
 LEGACY_COPIES_PER_STEP = 2
-#: Fields of the record that refer to what vLLM keeps anyway (its forward state, its row map,
-#: the step's scheduler output): not allocated by the record.
-REFERENCED = frozenset({"execute_model_state", "rows", "scheduled"})
+#: Fields of the record that refer to what vLLM keeps anyway (the step's scheduler output): not
+#: allocated by the record.
+REFERENCED = frozenset({"scheduled"})
 LEGACY_TIMING_REPEATS = 15
 
 

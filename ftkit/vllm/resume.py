@@ -32,6 +32,7 @@ for the tokens it keeps, which is what rewinding achieves on CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,8 +67,8 @@ def park_discarded_generators(runner: Any) -> dict[int, Any] | None:
     token vLLM discards (a partial prefill chunk), so that vLLM neither draws from them nor
     rewinds them; ``None`` when there are none. ``restore_generators`` puts them back."""
     generators = runner.input_batch.generators
-    if not generators:
-        return None
+    if not generators or next(iter(generators.values())).device.type != "cpu":
+        return None  # (CUDA's generators can be rewound)
     mask = getattr(runner, "discard_request_mask", None)
     if mask is None:
         return None
@@ -81,6 +82,20 @@ def restore_generators(runner: Any, parked: dict[int, Any] | None) -> None:
     """Put back the generators ``park_discarded_generators`` took out."""
     if parked:
         runner.input_batch.generators.update(parked)
+
+
+def parking_discarded_generators(runner: Any, sample: Callable[[Any], Any]
+                                 ) -> Callable[[Any], Any]:
+    """``sample`` (the worker's ``sample_tokens``) with the generators of the rows whose token
+    is discarded parked while it runs."""
+    def sample_tokens(grammar_output: Any) -> Any:
+        parked = park_discarded_generators(runner)
+        try:
+            return sample(grammar_output)
+        finally:
+            restore_generators(runner, parked)
+
+    return sample_tokens
 
 
 def _replay_draws(runner: Any, gen: torch.Generator, tokens: int) -> None:

@@ -32,6 +32,7 @@ from ftkit.recovery import (
 from ftkit.vllm.kv_recompute import RecomputeReport
 from ftkit.vllm.memory import RunnerMemory
 from ftkit.vllm.plugin import STEP_METHODS, bind_step_method
+from ftkit.vllm.resume import parking_discarded_generators
 from ftkit.vllm.runner_state import V1RunnerState
 
 log = logging.getLogger("ftkit")
@@ -75,7 +76,12 @@ class FtkitWorker:
         return self._ready().execute_model(inner, scheduler_output)
 
     def sample_tokens(self, inner: Any, grammar_output: Any) -> Any:
-        return self._ready().sample_tokens(inner, grammar_output)
+        return self._ready().sample_tokens(self._sampling(inner), grammar_output)
+
+    def _sampling(self, inner: Any) -> Any:
+        # A partial prefill chunk's discarded draw stays off a seeded request's CPU generator
+        # (``ftkit.vllm.resume``: vLLM would rewind it, which CPU generators cannot do).
+        return parking_discarded_generators(self.worker.model_runner, inner)
 
     # --- control (called through collective_rpc) ----------------------------------------------
 
@@ -107,7 +113,10 @@ class FtkitWorker:
             for name in STEP_METHODS:
                 entry = getattr(worker, name)
                 if isinstance(entry, functools.partial) and entry.func == getattr(self, name):
-                    bind_step_method(worker, name, getattr(wrapper, name), *entry.args)
+                    [inner] = entry.args
+                    if name == "sample_tokens":
+                        inner = self._sampling(inner)
+                    bind_step_method(worker, name, getattr(wrapper, name), inner)
         return self.step_wrapper
 
     def _build(self) -> StepWrapper:
