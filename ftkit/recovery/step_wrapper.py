@@ -67,6 +67,11 @@ class StepState(Protocol):
         step's ``rollback_execute`` follows: the step is re-run from its forward pass)."""
     def reset_batch(self) -> None: ...
     def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None: ...
+    def pending_kv(self) -> tuple[int, ...]:
+        """The KV blocks this rank still has to rebuild (while ``repair_pending``): a fault
+        may interrupt the rebuild on one rank after a peer finished it, and the round makes
+        every rank rebuild them again (rebuilding is idempotent), so that all run the same
+        forward passes before the next attempt."""
 
 
 _EXECUTE, _SAMPLE = RpcKind.EXECUTE, RpcKind.SAMPLE
@@ -313,6 +318,9 @@ class StepWrapper:
         if stopped and kind is not None:
             error = f"{kind.value} recorded by the device before this rank was stopped; {error}"
         repair = self.assess(kind) if kind is not None else Repair()
+        kv_lost = repair.kv_lost
+        if self.state.repair_pending:
+            kv_lost = tuple(sorted({*kv_lost, *self.state.pending_kv()}))
         return RankStatus(
             rank=self.rank,
             state=RankState.STOPPED if stopped and kind is None else RankState.FAILED,
@@ -322,7 +330,7 @@ class StepWrapper:
             failures=failures,
             kind=None if kind is None else kind.value,
             error=error[:500],
-            kv_lost=repair.kv_lost,
+            kv_lost=kv_lost,
             kv_lost_all=repair.kv_lost_all,
             reload_params=repair.reload_params,
             unrecoverable=repair.unrecoverable,

@@ -209,6 +209,10 @@ class V1RunnerState:
         self.kv.mark_lost(blocks, all_blocks=all_blocks)
         self.repair_pending = bool(self.kv.lost)
 
+    def pending_kv(self) -> tuple[int, ...]:
+        """The KV blocks still to recompute (reported to a round: every rank agrees on them)."""
+        return tuple(sorted(self.kv.lost))
+
     def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None:
         """Before an attempt of ``execute_model``: recompute the lost KV the step reads."""
         if not self.kv.lost:

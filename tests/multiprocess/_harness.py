@@ -249,6 +249,9 @@ class RecordingState:
     def before_attempt(self, scheduler_output: Any, call: Any) -> None:
         raise AssertionError("before_attempt runs only while repair_pending")
 
+    def pending_kv(self) -> tuple[int, ...]:
+        return ()
+
 
 class StandInMemory:
     """Stands in for ``ftkit.vllm.memory.RunnerMemory``: one parameter and a few KV blocks

@@ -55,6 +55,9 @@ class State:
         self.repairs.append(scheduler_output)
         self.repair_pending = False
 
+    def pending_kv(self) -> tuple[int, ...]:
+        return (3, 9) if self.repair_pending else ()
+
 
 def wrapper(gate: Gate, state: State | None = None) -> StepWrapper:
     return StepWrapper(rank=0, monitor=gate, state=state or State(),  # type: ignore[arg-type]
@@ -167,6 +170,34 @@ def test_lost_state_is_repaired_before_the_attempt_only_while_a_repair_is_pendin
     step.execute_model(lambda batch: "out", "second")
     step.execute_model(lambda batch: "out", "third")
     assert state.repairs == ["second"]
+
+
+def test_a_rank_whose_repair_was_interrupted_reports_what_it_still_has_to_rebuild():
+    # A fault inside the lost KV's rebuild (its forward passes) leaves this rank with blocks
+    # still to recompute, which a peer may have finished: the round hears of them, so that
+    # every rank rebuilds them again before the next attempt.
+    state = State()
+    interrupted = {"left": 1}
+
+    def before_attempt(scheduler_output: Any, call: Any) -> None:
+        if interrupted["left"]:
+            interrupted["left"] -= 1
+            raise LinkError("link down during the rebuild")
+        state.repair_pending = False
+
+    state.before_attempt = before_attempt  # type: ignore[method-assign]
+    state.repair_pending = True
+    rerun = Decision(Action.RECOMPUTE, Cause.RERUN, "rank 0 failed")
+    gate = Gate(rerun)
+    assert wrapper(gate, state).execute_model(lambda batch: "out", "step") == "out"
+    [status] = gate.reports
+    assert status.kv_lost == (3, 9)
+    # Crippled: without the pending blocks in its report the round would not know of them.
+    state.repair_pending, interrupted["left"] = True, 1
+    state.pending_kv = lambda: ()  # type: ignore[method-assign]
+    gate = Gate(rerun)
+    wrapper(gate, state).execute_model(lambda batch: "out", "step")
+    assert gate.reports[0].kv_lost == ()
 
 
 # --- a failed sampling RPC: the step is re-run from its forward pass -------------------------
