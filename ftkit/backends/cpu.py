@@ -124,8 +124,10 @@ class CpuBackend(EmulatedFaultModel):
         self.faults = EmulatedFaults(rank, self._stopped)
         self._device_stopped: str | None = None
         self.collectives = AbortableCollectives(self)
-        #: Collectives issued (for tests and diagnostics).
+        #: Collectives issued, and how many of each operation took which path (``shm`` or
+        #: ``gloo``): for tests and diagnostics (``transport_counts``).
         self.collectives_issued = 0
+        self.paths: dict[tuple[str, str], int] = {}
 
     def capabilities(self) -> dict[str, Capability]:
         return {
@@ -203,6 +205,8 @@ class CpuBackend(EmulatedFaultModel):
         self.faults.check_link(op)
         if self._stopped.is_set():
             raise CommunicationStopped(f"rank {self.rank}: {op} stopped: a peer failed")
+        path = (op, "gloo" if run_shm is None else "shm")
+        self.paths[path] = self.paths.get(path, 0) + 1
         if run_shm is not None:
             run_shm()
             return
@@ -225,6 +229,10 @@ class CpuBackend(EmulatedFaultModel):
             if time.monotonic() > deadline and not work.is_completed():
                 raise OperatorTimeout(f"rank {self.rank}: {op} timed out after {bound:g} s: "
                                       "a peer never joined")
+
+    def transport_counts(self) -> dict[str, int]:
+        """Collectives run so far, by ``<operation>/<path>`` (``all_reduce/shm`` ...)."""
+        return {f"{op}/{path}": n for (op, path), n in sorted(self.paths.items())}
 
     # --- recovery ---------------------------------------------------------------------------
 

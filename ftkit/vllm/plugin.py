@@ -123,4 +123,5 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     # Reached by name through collective_rpc (a callable would need insecure pickling), with
     # one argument: the plan as JSON (``FaultPlan.to_json``).
     worker.ftkit_set_fault_plan = ftkit_worker.set_fault_plan
+    worker.ftkit_transport_counts = ftkit_worker.transport_counts
     return ftkit_worker

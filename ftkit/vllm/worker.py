@@ -104,6 +104,14 @@ class FtkitWorker:
                                  f"{max_reinference!r}")
             self.coordinator.max_reinference = max_reinference
 
+    def transport_counts(self) -> dict[str, int]:
+        """The collectives this rank's backend ran, by operation and path (``all_reduce/shm``:
+        ftkit's shared-memory transport; ``/gloo``: the fallback), when it counts them.
+        Reached through ``collective_rpc`` (``ftkit_transport_counts``)."""
+        self._ready()
+        counts = getattr(self.backend, "transport_counts", None)
+        return counts() if counts is not None else {}
+
     # --- set-up -------------------------------------------------------------------------------
 
     def _ready(self) -> StepWrapper:

@@ -22,9 +22,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(60
 
 
 def test_fault_free_tensor_parallel_run_matches_plain_vllm(tp2_engine, baseline):
+    before = tp2_engine.llm.collective_rpc("ftkit_transport_counts")
     run = run_with_faults(tp2_engine, GREEDY, [])
     assert run.error is None and not run.fired and not run.rounds
     assert run.tokens == baseline.tokens["greedy"]
+    # ftkit's shared-memory transport, not a silent gloo fallback, carried the model's
+    # collectives on both ranks (the tests of this module recover on that transport).
+    after = tp2_engine.llm.collective_rpc("ftkit_transport_counts")
+    for rank, (was, now) in enumerate(zip(before, after)):
+        ran = {key: now[key] - was.get(key, 0) for key in now if now[key] != was.get(key, 0)}
+        assert ran.get("all_reduce/shm", 0) > 0, (rank, ran)
+        assert "all_reduce/gloo" not in ran and "all_gather_into_tensor/gloo" not in ran, \
+            (rank, ran)
 
 
 @pytest.mark.parametrize("where", ["prefill", "decode", "new_block"])
