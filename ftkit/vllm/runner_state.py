@@ -91,6 +91,12 @@ def check_supported(runner: Any) -> None:
     if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
         problems.append("pipeline parallelism is on (set pipeline_parallel_size=1; "
                         "vllm serve without --pipeline-parallel-size)")
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
+        problems.append("data parallelism is on (set data_parallel_size=1; vllm serve without "
+                        "--data-parallel-size)")
+    if getattr(parallel, "enable_expert_parallel", False) is True:
+        problems.append("expert parallelism is on (set enable_expert_parallel=False; vllm "
+                        "serve without --enable-expert-parallel)")
     if getattr(runner, "speculative_config", None) is not None:
         problems.append("speculative decoding is on (leave speculative_config unset; "
                         "vllm serve without --speculative-config)")

@@ -86,3 +86,19 @@ def test_the_named_settings_exist_in_this_vllm():
     assert args.async_scheduling is False and args.enforce_eager is True
     engine = EngineArgs(model="unused", async_scheduling=False, enforce_eager=True)
     assert engine.async_scheduling is False and engine.enforce_eager is True
+
+
+@pytest.mark.parametrize("setting, value, named", [
+    ("pipeline_parallel_size", 2, "--pipeline-parallel-size"),
+    ("data_parallel_size", 2, "--data-parallel-size"),
+    ("enable_expert_parallel", True, "--enable-expert-parallel"),
+])
+def test_parallelism_recovery_cannot_handle_is_refused_with_the_argument_and_the_flag(
+        setting, value, named):
+    from vllm.config import ParallelConfig
+
+    assert setting in ParallelConfig.__dataclass_fields__  # vLLM's own name
+    message = refusal(v1_runner(parallel_config=SimpleNamespace(**{setting: value})))
+    assert f"{setting}=" in message and named in message
+    check_supported(v1_runner(parallel_config=SimpleNamespace(
+        pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False)))

@@ -63,9 +63,9 @@ def _rank(rank: int, world: int, port: int, outdir: str) -> None:
     dist.destroy_process_group()
 
 
-def test_collectives_match_gloo_and_a_stop_unblocks(tmp_path):
-    before = set(Path("/dev/shm").glob("ftkit-*"))
-    ctx = mp.start_processes(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2,
+def _run_ranks(fn, tmp_path: Path, *args) -> tuple[dict, dict]:
+    """Run ``fn(rank, 2, port, outdir, *args)`` in two spawned processes; their results."""
+    ctx = mp.start_processes(fn, args=(2, free_port(), str(tmp_path), *args), nprocs=2,
                              join=False, start_method="spawn")
     try:
         deadline = time.monotonic() + 90
@@ -75,8 +75,12 @@ def test_collectives_match_gloo_and_a_stop_unblocks(tmp_path):
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    return tuple(json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+
+
+def test_collectives_match_gloo_and_a_stop_unblocks(tmp_path):
+    before = set(Path("/dev/shm").glob("ftkit-*"))
+    r0, r1 = _run_ranks(_rank, tmp_path)
     assert r0["all_gather"] == r1["all_gather"] == [0.0] * 4 + [1.0] * 4
     assert r0["gather"] == [[0.0] * 4, [1.0] * 4]
     assert r0["blocked"] == "CommunicationStopped"
@@ -122,18 +126,7 @@ def _desync_rank(rank: int, world: int, port: int, outdir: str, check: bool) -> 
 
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "crippled"])
 def test_mismatched_collectives_raise_a_desync_and_combine_nothing(tmp_path, check):
-    ctx = mp.start_processes(_desync_rank, args=(2, free_port(), str(tmp_path), check),
-                             nprocs=2, join=False, start_method="spawn")
-    try:
-        deadline = time.monotonic() + 90
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "ranks did not finish"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    r0, r1 = _run_ranks(_desync_rank, tmp_path, check)
     if check:
         # Both sides see it, say what each side issued, and keep their own data untouched.
         assert r0["size"].startswith("CollectiveDesync: rank 0: collective 1 ")
