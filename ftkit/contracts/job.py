@@ -59,10 +59,15 @@ class EngineJob:
 
     def engine_key(self) -> str:
         """What decides the engine this job needs. Not in it: ``max_reinference`` (set per run
-        through the fault plan) and ``event_log_dir`` (each host has its own)."""
+        through the fault plan) and ``event_log_dir`` (each host has its own); but, at tensor
+        parallel 2 and more, the bound on one recovered step that ``max_reinference`` gives is
+        (the engine is started with vLLM's execute timeout raised to it:
+        ``ftkit.vllm.environment``)."""
         recovery = None
         if self.recovery is not None:
             recovery = self.recovery.replace(max_reinference=0, event_log_dir=None).to_mapping()
+            if self.engine.tensor_parallel_size > 1:  # (vLLM bounds a step only there)
+                recovery["step_bound_s"] = self.recovery.step_bound().needed_s
         return json.dumps({"engine": self.engine.model_dump(mode="json"), "recovery": recovery,
                            "multiprocess": self.multiprocess}, sort_keys=True)
 

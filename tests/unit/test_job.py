@@ -52,8 +52,13 @@ def test_a_job_survives_its_json_form():
 def test_the_engine_key_leaves_out_what_a_run_sets_itself():
     j = job()
     recovery = j.recovery
-    assert job(recovery=recovery.replace(max_reinference=0)).engine_key() == j.engine_key()
     assert job(recovery=recovery.replace(event_log_dir=None)).engine_key() == j.engine_key()
+    # max_reinference is the run's, except where it decides the engine's execute timeout: at
+    # tensor parallel 2 and more, through the bound of one recovered step.
+    one = EngineSpec(model="/models/tiny", tensor_parallel_size=1)
+    assert job(engine=one, recovery=recovery.replace(max_reinference=0)).engine_key() \
+        == job(engine=one).engine_key()
+    assert job(recovery=recovery.replace(max_reinference=0)).engine_key() != j.engine_key()
     assert job(plan=FaultPlan(None), prompts=("x",), max_restarts=0).engine_key() \
         == j.engine_key()
 
