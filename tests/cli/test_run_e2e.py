@@ -104,8 +104,10 @@ def new_leftovers(before: set[str], tag: str) -> set[str]:
     return leftover_files() - before - held_by_others(tag)
 
 
-def run_ftkit(args: list[str], cache_dir: Path, timeout: float = 600):
+def run_ftkit(args: list[str], cache_dir: Path, timeout: float = 600,
+              extra_env: dict[str, str] | None = None):
     env, tag = tagged_env(cache_dir)
+    env.update(extra_env or {})
     before = leftover_files()
     proc = subprocess.run(FTKIT + args, capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
@@ -155,6 +157,45 @@ def test_expected_failure_passes_when_the_engine_fails_cleanly(tmp_path, cache_d
     assert sc["verdict"] == "pass"
     assert "max_reinference is 1" in sc["error"]
     assert sc["faults"][0]["attempts"] == 2 and not sc["faults"][0]["recovered"]
+
+
+#: A step whose request gets its second KV block (prompt of 18 tokens, blocks of 32): re-run
+#: without rolling ``_update_states`` back, the block is appended twice and the request's KV
+#: goes astray once it needs a third block.
+TP1_NEW_BLOCK = """\
+name: oom_new_block
+workload:
+  prompts: ["the quick brown fox jumps over the lazy dog", "one two three four five"]
+  max_tokens: 88
+faults:
+  - {kind: oom, rank: 0, at: {request: 0, token: 15}, phase: forward}
+expect: {outcome: recovered, tokens: identical, timeout_s: 240}
+"""
+
+#: Loaded by every Python process of the run (``sitecustomize`` on ``PYTHONPATH``): ftkit's
+#: rollback of a failed step switched off in the engine host that runs the engine.
+NO_ROLLBACK = """\
+from ftkit.vllm import runner_state
+runner_state.V1RunnerState.rollback_execute = lambda self, scheduler_output: None
+"""
+
+
+def test_a_crippled_engine_gets_verdict_fail_with_its_first_divergence(tmp_path, cache_dir):
+    scenario = write(tmp_path, "new_block.yaml", TP1_NEW_BLOCK)
+    patch = tmp_path / "cripple"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(NO_ROLLBACK)
+    report = tmp_path / "report.json"
+    proc = run_ftkit(["run", str(scenario), "--json", str(report)], cache_dir,
+                     extra_env={"PYTHONPATH": str(patch)})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (sc,) = json.loads(report.read_text())["scenarios"]
+    assert sc["verdict"] == "fail" and sc["faults"][0]["fired"], sc["reason"]
+    # The damage is silent and late: request 0 matches up to the faulted step, then differs.
+    mismatch = sc["first_mismatch"]
+    assert mismatch["request"] == 0 and mismatch["position"] > 15, mismatch
+    assert f"FAIL oom_new_block: {sc['reason']}" in proc.stdout.replace("\n", " ") \
+        or sc["reason"] in proc.stdout
 
 
 def test_bundled_scenario_library_passes(cache_dir, tmp_path):
