@@ -66,13 +66,14 @@ def park_discarded_generators(runner: Any) -> dict[int, Any] | None:
     """Before a step samples: take out of the batch the generators of the rows whose sampled
     token vLLM discards (a partial prefill chunk), so that vLLM neither draws from them nor
     rewinds them; ``None`` when there are none. ``restore_generators`` puts them back."""
-    generators = runner.input_batch.generators
+    batch = getattr(runner, "input_batch", None)  # (not yet, or not a V1 runner)
+    generators = getattr(batch, "generators", None)
     if not generators or next(iter(generators.values())).device.type != "cpu":
         return None  # (CUDA's generators can be rewound)
     mask = getattr(runner, "discard_request_mask", None)
     if mask is None:
         return None
-    discarded = mask.np[:runner.input_batch.num_reqs]
+    discarded = mask.np[:batch.num_reqs]
     parked = {index: generators.pop(index) for index in list(generators)
               if index < len(discarded) and discarded[index]}
     return parked or None

@@ -33,6 +33,8 @@ def test_nothing_to_park():
     runner = _runner([False, False], {0: torch.Generator()})
     assert park_discarded_generators(runner) is None
     assert park_discarded_generators(_runner([True], {})) is None
+    # A runner without V1's persistent batch (another platform's, or not built yet).
+    assert park_discarded_generators(SimpleNamespace()) is None
 
 
 def test_a_cpu_generator_cannot_be_rewound_as_vllm_does_for_a_discarded_row():

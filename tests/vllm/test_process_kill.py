@@ -77,8 +77,8 @@ def test_killed_worker_is_resumed_token_for_token(tiny_model, baseline, tmp_path
 def test_resumed_request_ids_carry_their_offset():
     rid = request_id("r1.2", 3, offset=17)
     assert rid == "ftkit:r1.2:3+17"
-    assert parse_request_id(rid + "-a1b2c3") == ("r1.2", 3, 17)
-    assert parse_request_id("ftkit:r1.2:3-a1b2") == ("r1.2", 3, 0)
+    assert parse_request_id(rid + "-a1b2c3") == ("r1.2", 3, 17, 0)
+    assert parse_request_id("ftkit:r1.2:3-a1b2") == ("r1.2", 3, 0, 0)
 
 
 def test_fast_forward_replays_exactly_the_samplers_draws(tiny_model):
