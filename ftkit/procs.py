@@ -154,7 +154,11 @@ def kill_tree(root: psutil.Process, also: Iterable[psutil.Process] = (),
     there after ``timeout_s``."""
     procs = [root, *descendants(root)]
     procs += [p for p in also if p not in procs]
-    return wait_gone(kill(procs), timeout_s)
+    # Python's resource tracker unlinks the named semaphores it tracks (/dev/shm/sem.*) when
+    # the process that started it is gone: it is waited for, and killed only if it lingers.
+    helpers = [p for p in procs if is_process_helper(p)]
+    left = wait_gone(kill([p for p in procs if p not in helpers]), timeout_s)
+    return left + wait_gone(kill(wait_gone(helpers, timeout_s)), timeout_s)
 
 
 def reap(procs: Iterable[psutil.Process], grace_s: float = REAP_GRACE_S) -> list[int]:
