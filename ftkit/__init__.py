@@ -48,6 +48,13 @@ _EXPORTS: dict[str, str] = {
     "skipped_from_report": "ftkit.report", "TABLE_COLUMNS": "ftkit.report",
     "overrides_from_report": "ftkit.report",
     "table_cells": "ftkit.report", "verdict_label": "ftkit.report",
+    # chaos search (ftkit explore)
+    "Budget": "ftkit.explore", "Campaign": "ftkit.explore", "CampaignEvent": "ftkit.explore",
+    "CampaignResult": "ftkit.explore", "ExploreOptions": "ftkit.explore",
+    "ExploreSpace": "ftkit.explore", "parse_kinds": "ftkit.explore",
+    "parse_names": "ftkit.explore", "coverage_by_fault": "ftkit.report.campaign_html",
+    "coverage_by_feature": "ftkit.report.campaign_html",
+    "write_campaign_html": "ftkit.report.campaign_html",
     # engines, recovery settings, fault plans and the ranks' event log
     "EngineSession": "ftkit.vllm.engine", "SamplingSpec": "ftkit.contracts.job",
     "RecoveryConfig": "ftkit.config", "CONFIG_KEY": "ftkit.config",
@@ -87,6 +94,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     from ftkit.errors import (EngineError, FtkitError, InjectionError, RecoveryError,
                               RecoveryInconsistent, ReinferenceExhausted, RunTimeout,
                               ScenarioError)
+    from ftkit.explore import (Budget, Campaign, CampaignEvent, CampaignResult,
+                               ExploreOptions, ExploreSpace, parse_kinds, parse_names)
     from ftkit.faults import FaultKind
     from ftkit.kinds import KIND_SPECS, kind_spec
     from ftkit.model import TINY, build_tiny_model, build_wide_model, resolve_model
@@ -95,6 +104,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
                               read_json_report, results_from_report, skipped_from_report,
                               table_cells, verdict_label, write_html_report,
                               write_json_report, write_junit_report)
+    from ftkit.report.campaign_html import (coverage_by_fault, coverage_by_feature,
+                                            write_campaign_html)
     from ftkit.results import ScenarioResult, Verdict
     from ftkit.runner import ScenarioRunner, run_scenario
     from ftkit.scenario import (FORMAT_VERSION, EngineSpec, FaultSpec, Overrides, Scenario,

@@ -42,7 +42,9 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
 OTHER_COMMANDS_EXIT = (
     "validate: 0 when every file is valid, 2 otherwise. report: 0 once the journal is "
     "rendered, 2 when it cannot be read or a report cannot be written. doctor: 0, or 1 when "
-    "--expect-platform names another platform. list, schema: 0."
+    "--expect-platform names another platform. list, schema: 0. explore: 0 when no failure "
+    "was found, 1 when one was, 2 on bad usage or a report that cannot be written, 130 when "
+    "interrupted."
 )
 
 

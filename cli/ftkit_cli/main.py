@@ -1,6 +1,7 @@
 """The ``ftkit`` command line.
 
-Commands: ``run``, ``report``, ``validate``, ``schema``, ``list``, ``doctor``, ``model build``.
+Commands: ``run``, ``explore`` (a chaos search), ``report``, ``validate``, ``schema``,
+``list``, ``doctor``, ``model build``.
 
 The exit codes (a script may rely on them) are ``EXIT_CODES`` and ``OTHER_COMMANDS_EXIT`` in
 ``ftkit_cli.exits``, which ``ftkit --help`` and ``ftkit run --help`` show: ``ftkit run`` exits
@@ -24,6 +25,7 @@ from ftkit import KIND_SPECS, FtkitError, override_lines
 from ftkit_cli.consoles import print_error as _print_error
 from ftkit_cli.consoles import stderr_console as _stderr
 from ftkit_cli.consoles import stdout_console as _stdout
+from ftkit_cli.explore import explore_command
 from ftkit_cli.exits import (EXIT_FAILED, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK,
                              EXIT_USAGE, exit_code, exit_codes_help)
 from ftkit_cli.render import VerdictReport
@@ -52,6 +54,7 @@ def ftkit() -> None:
 
 
 ftkit.add_command(run_command)
+ftkit.add_command(explore_command)
 
 
 # --- report ---------------------------------------------------------------------------------

@@ -38,8 +38,9 @@ class ScenarioRunner:
     failure or interrupt inside ``run``.
     """
 
-    def __init__(self, *, use_cache: bool = True) -> None:
+    def __init__(self, *, use_cache: bool = True, max_idle_hosts: int = MAX_IDLE_HOSTS) -> None:
         self.use_cache = use_cache
+        self.max_idle_hosts = max_idle_hosts
         self._hosts: dict[str, HostClient] = {}  # engine key -> host, least recently used first
 
     def __enter__(self) -> ScenarioRunner:
@@ -133,7 +134,7 @@ class ScenarioRunner:
                 host.close()
             host = HostClient(key, event_log=job.recovery is not None)
         self._hosts[key] = host  # most recently used last
-        while len(self._hosts) > MAX_IDLE_HOSTS:
+        while len(self._hosts) > self.max_idle_hosts:
             oldest = next(iter(self._hosts))
             self._hosts.pop(oldest).close()
         return host
