@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import library, overhead, recovery, snapshot
-from benchmarks.stats import summarize
+from benchmarks.stats import markdown_table, summarize
 
 RATIO_TARGET = 0.99
 LINK_DETECT_TARGET_S = 0.1
 LINK_RUNNING_TARGET_S = 1.0
 KILL_MARGIN_TARGET_S = 1.0
+#: Generated scenarios per minute ``ftkit explore`` reaches, per tensor parallel size.
+EXPLORE_TARGETS_PER_MIN = {1: 20.0, 2: 6.0}
 #: The page ``make bench`` writes (relative to the repository root); the README links to it.
 PAGE = Path("docs") / "performance.md"
 PAGE_TITLE = "# Performance"
@@ -25,7 +27,7 @@ PAGE_TITLE = "# Performance"
 
 def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     results = {}
-    for name in ("overhead", "snapshot", "recovery", "library"):
+    for name in ("overhead", "snapshot", "recovery", "library", "explore"):
         path = out_dir / f"{name}.json"
         if path.is_file():
             results[name] = json.loads(path.read_text())
@@ -60,6 +62,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         parts.append(_recovery(results["recovery"]))
     if "library" in results:
         parts.append(_library(results["library"]))
+    if "explore" in results:
+        parts.append(_explore(results["explore"]))
     return "\n\n".join(parts)
 
 
@@ -77,7 +81,7 @@ def _intro(results: dict[str, dict[str, Any]]) -> str:
         commit = "commits " + ", ".join(
             f"{r['machine']['commit']} ({name}, {r['machine']['when']})"
             for name, r in results.items())
-    return (f"`make bench` (`python -m benchmarks`, about 25 minutes; `--quick` for a smoke "
+    return (f"`make bench` (`python -m benchmarks`, about 35 minutes; `--quick` for a smoke "
             f"run) measures on real vLLM engines and writes `benchmarks/results/` (JSON per "
             f"suite, `RESULTS.md`). These figures{quick}: {m['cpus']} CPU cores, vLLM "
             f"{m['vllm']}, torch {m['torch']}, {commit}; every cell is "
@@ -277,3 +281,66 @@ def _library(result: dict[str, Any]) -> str:
             f"(`FTKIT_CACHE_DIR` a fresh directory: model built, every baseline computed), "
             f"then again with the cache it left. Seconds.\n\n" + library.table(result)
             + "\n\n" + "\n".join(f"- {r}" for r in reading))
+
+
+# --- the chaos search -------------------------------------------------------------------------
+
+def _explore(result: dict[str, Any]) -> str:
+    rows, reading = [], []
+    for c in result["campaigns"]:
+        target = EXPLORE_TARGETS_PER_MIN.get(c["tp"])
+        met = "-" if target is None else _met(c["per_minute"] >= target)
+        rows.append([c["tp"], f"{c['budget_s']:g} s", c["scenarios_run"],
+                     f"{c['per_minute']:.1f}", "-" if target is None else f"{target:g}", met,
+                     f"{c['wall_per_minute']:.1f}", _mean_median(c),
+                     f"{c['engine_starts']} ({c['engine_start_s']:.0f} s)",
+                     f"{100 * c['kill_share']:.0f} % ({c['kill_runs']} runs)",
+                     c["shrink_runs"], len(c["failures"])])
+        reading.append(_explore_reading(c, target))
+    if result.get("quick"):
+        reading.append("A `--quick` budget: the engine starts weigh more in it than in a "
+                       "campaign of minutes.")
+    return ("### Explore (chaos search) throughput\n\n"
+            f"`ftkit explore --seed {result['campaigns'][0]['seed']} --tp N` in process, one "
+            "campaign per tensor parallel size, on engines kept between scenarios and a fresh "
+            "baseline cache (`FTKIT_CACHE_DIR` an empty directory, the model built before the "
+            "campaign; a baseline computed in the campaign is then read from the cache). `per "
+            "minute`: generated scenarios per minute of their own run time, the rate `ftkit "
+            "explore` reports and the target is checked on; `wall /min`: per minute of the "
+            "campaign's wall time (Hypothesis and shrinking included). `kill share`: the "
+            "part of the run time in runs with a `process_kill` fault (an engine restart "
+            "each).\n\n"
+            + markdown_table(["TP", "budget", "scenarios", "per minute", "target", "met?",
+                              "wall /min", "run s mean (median)", "engine starts",
+                              "kill share", "shrink runs", "failures"], rows)
+            + "\n\n" + "\n".join(f"- {r}" for r in reading))
+
+
+def _mean_median(c: dict[str, Any]) -> str:
+    if c["run_s_mean"] is None:
+        return "-"
+    return f"{c['run_s_mean']:.1f} ({c['run_s_median']:.1f})"
+
+
+def _explore_reading(c: dict[str, Any], target: float | None) -> str:
+    text = f"TP {c['tp']}: {c['per_minute']:.1f} scenarios per minute"
+    if target is not None:
+        text += f" (target {target:g}: {_met(c['per_minute'] >= target)})"
+    if c["generation_s"] > 0:
+        text += (f"; engine starts took {c['engine_start_s']:.0f} s of the "
+                 f"{c['generation_s']:.0f} s of run time "
+                 f"({100 * c['engine_start_s'] / c['generation_s']:.0f} %: "
+                 f"{c['engine_starts']} starts for {c['engine_configs']} engine "
+                 f"configuration{'' if c['engine_configs'] == 1 else 's'}, plain and with "
+                 f"ftkit)")
+    if c["requests_mean"] is not None:
+        text += (f"; the workloads averaged {c['requests_mean']:.1f} requests x "
+                 f"{c['max_tokens_mean']:.0f} tokens ({c['at_4x32']} of "
+                 f"{c['scenarios_run']} at the space's largest, 4 x 32)")
+    text += f"; {c['baselines_cached']} baselines came from the campaign's cache"
+    if c["failures"]:
+        text += (f"; {len(c['failures'])} failure(s), shrunk in {c['shrink_runs']} runs: "
+                 + "; ".join(f"`{s}`" for s in c["failures"]))
+    else:
+        text += "; no failure"
+    return text + "."

@@ -52,7 +52,8 @@ _EXPORTS: dict[str, str] = {
     "Budget": "ftkit.explore", "Campaign": "ftkit.explore", "CampaignEvent": "ftkit.explore",
     "CampaignResult": "ftkit.explore", "ExploreOptions": "ftkit.explore",
     "ExploreSpace": "ftkit.explore", "parse_kinds": "ftkit.explore",
-    "parse_names": "ftkit.explore", "coverage_by_fault": "ftkit.report.campaign_html",
+    "parse_names": "ftkit.explore", "idle_hosts": "ftkit.explore",
+    "model_prompt_tokens": "ftkit.explore", "coverage_by_fault": "ftkit.report.campaign_html",
     "coverage_by_feature": "ftkit.report.campaign_html",
     "write_campaign_html": "ftkit.report.campaign_html",
     # engines, recovery settings, fault plans and the ranks' event log
@@ -95,7 +96,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
                               RecoveryInconsistent, ReinferenceExhausted, RunTimeout,
                               ScenarioError)
     from ftkit.explore import (Budget, Campaign, CampaignEvent, CampaignResult,
-                               ExploreOptions, ExploreSpace, parse_kinds, parse_names)
+                               ExploreOptions, ExploreSpace, idle_hosts, model_prompt_tokens,
+                               parse_kinds, parse_names)
     from ftkit.faults import FaultKind
     from ftkit.kinds import KIND_SPECS, kind_spec
     from ftkit.model import TINY, build_tiny_model, build_wide_model, resolve_model

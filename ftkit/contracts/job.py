@@ -46,6 +46,8 @@ class EngineJob:
     the host's. ``plan`` has no run id yet: the host gives the run one. ``max_restarts``: new
     engines the run may start after one of the engine's processes died (a kill), resuming the
     requests. ``multiprocess``: the engine core runs in a process of its own.
+    ``fresh_engine``: start a new engine even if the host's fits (the last run on it failed,
+    and a failed recovery may have left it damaged).
     """
 
     engine: EngineSpec
@@ -56,6 +58,7 @@ class EngineJob:
     max_restarts: int = 0
     multiprocess: bool = False
     result_path: str | None = None
+    fresh_engine: bool = False
 
     def engine_key(self) -> str:
         """What decides the engine this job needs. Not in it: ``max_reinference`` (set per run
@@ -85,6 +88,7 @@ class EngineJob:
             "max_restarts": self.max_restarts,
             "multiprocess": self.multiprocess,
             "result_path": self.result_path,
+            "fresh_engine": self.fresh_engine,
         })
 
     @classmethod
@@ -100,6 +104,7 @@ class EngineJob:
             max_restarts=raw["max_restarts"],
             multiprocess=raw["multiprocess"],
             result_path=raw["result_path"],
+            fresh_engine=raw.get("fresh_engine", False),
         )
 
 

@@ -10,11 +10,11 @@ engines, shrinks every failure to a minimal scenario file and counts what it cov
 """
 
 from ftkit.explore.campaign import (Budget, Campaign, CampaignEvent, ExploreOptions,
-                                    coverage, merge_subsumed, scenario_yaml)
+                                    coverage, idle_hosts, merge_subsumed, scenario_yaml)
 from ftkit.explore.results import (CampaignResult, CoverageCell, ExploredRun, Failure,
                                    Outcome)
-from ftkit.explore.space import (FEATURES, PHASES, ExploreSpace, features_of, parse_kinds,
-                                 parse_names, scenarios)
+from ftkit.explore.space import (FEATURES, PHASES, ExploreSpace, features_of,
+                                 model_prompt_tokens, parse_kinds, parse_names, scenarios)
 
 __all__ = [
     "FEATURES",
@@ -31,7 +31,9 @@ __all__ = [
     "Outcome",
     "coverage",
     "features_of",
+    "idle_hosts",
     "merge_subsumed",
+    "model_prompt_tokens",
     "parse_kinds",
     "parse_names",
     "scenario_yaml",

@@ -17,6 +17,7 @@ draw it again, and shrinking revisits) is answered from the campaign's memo.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -32,7 +33,7 @@ from hypothesis.errors import Unsatisfiable
 from ftkit.errors import FtkitError
 from ftkit.explore.results import (CampaignResult, CoverageCell, ExploredRun, Failure,
                                    Outcome)
-from ftkit.explore.space import ExploreSpace, features_of, scenarios
+from ftkit.explore.space import ExploreSpace, features_of, model_prompt_tokens, scenarios
 from ftkit.results import ScenarioResult, Verdict
 from ftkit.scenario.errors import ScenarioErrors
 from ftkit.scenario.model import Scenario
@@ -95,6 +96,12 @@ class ExploreOptions:
     max_idle_hosts: int | None = None
 
 
+def idle_hosts(options: ExploreOptions) -> int:
+    """Engine hosts a campaign's runner keeps: ``options.max_idle_hosts``, or as many as
+    ``MEMORY_RANKS`` ranks of its largest tensor parallel size."""
+    return options.max_idle_hosts or max(2, MEMORY_RANKS // max(options.space.tp))
+
+
 @dataclass
 class CampaignEvent:
     """Progress of a campaign: ``run`` (a scenario ran), ``found`` (a new failure signature),
@@ -108,6 +115,11 @@ class CampaignEvent:
 
 class ExploreFailure(Exception):
     """Raised inside Hypothesis's test for a failing scenario; one subclass per signature."""
+
+
+class _BudgetSpent(BaseException):
+    """Ends a round that found nothing once the budget is spent. Not an ``Exception``:
+    Hypothesis lets it through instead of taking it for a failure to shrink."""
 
 
 class Campaign:
@@ -142,10 +154,12 @@ class Campaign:
             if self._execute_fn is None:
                 from ftkit.runner.core import ScenarioRunner
 
-                hosts = self.options.max_idle_hosts or \
-                    max(2, MEMORY_RANKS // max(self.options.space.tp))
-                runner = ScenarioRunner(use_cache=self.options.use_cache, max_idle_hosts=hosts)
+                runner = ScenarioRunner(use_cache=self.options.use_cache,
+                                        max_idle_hosts=idle_hosts(self.options))
                 self._execute_fn = lambda scenario, file: runner.run(scenario, file=file)
+                if self.options.space.prompt_tokens is None:
+                    self.options.space = dataclasses.replace(
+                        self.options.space, prompt_tokens=model_prompt_tokens())
             round_no = 0
             while not self._spent():
                 before = self.result.scenarios_run
@@ -155,13 +169,14 @@ class Campaign:
                         and round_no > 3:
                     self.result.stopped = "space exhausted"  # rounds draw nothing new
                     break
+            self._finish(runner)
         except KeyboardInterrupt:
             self.result.stopped = "interrupted"
+            self._finish(None)
         finally:
             if runner is not None:
                 runner.close()
             self.result.duration_s = time.monotonic() - self._started
-            self._finish()
         return self.result
 
     def _spent(self) -> bool:
@@ -182,8 +197,8 @@ class Campaign:
             config(given(scenarios(self.options.space))(self._check)))
         try:
             test()
-        except Unsatisfiable:
-            pass  # every draw was rejected: the budget ran out as the round began
+        except (Unsatisfiable, _BudgetSpent):
+            pass  # the budget ran out
         except ExploreFailure:
             pass
         except BaseExceptionGroup as group:  # several signatures in one round
@@ -198,7 +213,7 @@ class Campaign:
         outcome = self._memo.get(key)
         if outcome is None:
             if not self._round_failed and self._spent():
-                reject()  # generation is over; shrinking goes on
+                raise _BudgetSpent  # generation is over (a round shrinking goes on)
             if self._round_failed and \
                     time.monotonic() - self._round_failed_at > self.options.shrink_budget_s:
                 # Out of shrinking time: what was not run is not run; to Hypothesis it
@@ -259,7 +274,8 @@ class Campaign:
 
     # --- the end ------------------------------------------------------------------------
 
-    def _finish(self) -> None:
+    def _finish(self, runner: Any) -> None:
+        """Coverage, the failures (merged, checked on a fresh engine, written)."""
         self.result.coverage = coverage(self.result.runs)
         failures = []
         for sig, (index, first, outcome) in self._first.items():
@@ -274,9 +290,23 @@ class Campaign:
         kept = merge_subsumed([failure for failure, _ in failures])
         for failure, smallest in failures:
             if any(failure is k for k in kept):
+                if runner is not None:
+                    failure.reproduced = self._reproduces(runner, failure, smallest)
                 failure.file = self._write(failure, smallest)
                 self._on_event(CampaignEvent("shrunk", failure=failure))
         self.result.failures = kept
+
+    def _reproduces(self, runner: Any, failure: Failure, raw: dict[str, Any]) -> bool:
+        """Whether the shrunk scenario fails the same way alone, on a new engine: a run whose
+        recovery failed may have left its kept engine damaged for the runs after it, which
+        then fail for a reason that is not theirs."""
+        name = f"explore-s{self.options.seed}-check"
+        scenario = Scenario.model_validate({"name": name, **raw})
+        try:
+            result = runner.run(scenario, file=f"<explore {name}>", fresh_engine=True)
+        except Exception:  # noqa: BLE001 - reported as not reproduced
+            return False
+        return Outcome.of(result).signature == failure.signature
 
     def _write(self, failure: Failure, raw: dict[str, Any]) -> str | None:
         if self.options.out_dir is None:

@@ -120,6 +120,10 @@ class Failure:
     #: False when shrinking was off or ran out of time (``ExploreOptions.shrink_budget_s``):
     #: the scenario fails, but a smaller one might too.
     shrink_complete: bool = True
+    #: Whether the shrunk scenario, run again alone on a new engine, failed the same way
+    #: (None: not checked). False means an earlier run of the campaign left its engine
+    #: damaged and this scenario failed from that: the damage is the finding.
+    reproduced: bool | None = None
     #: Signatures of other failures whose shrunk scenario holds this one's faults and more
     #: (the same bug, seen with an extra fault): reported here, once.
     also_seen_as: list[str] = field(default_factory=list)

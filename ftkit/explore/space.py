@@ -15,7 +15,7 @@ mapping, for the coverage table and for a shrunk failure's report.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,9 +59,10 @@ KIND_WEIGHTS: dict[FaultKind, int] = {
     FaultKind.PROCESS_KILL: 1,
 }
 _NEEDS_A_PEER = {FaultKind.LINK_BREAK, FaultKind.LINK_FLAP}
-#: The most requests and output tokens of a generated workload (the benchmark's 4 x 32).
+#: The most requests and output tokens of a generated workload. Damage to a request's block
+#: table shows only once it reaches its next KV block: 64 tokens span two blocks of 32.
 MAX_REQUESTS = 4
-MAX_TOKENS = 32
+MAX_TOKENS = 64
 MIN_TOKENS = 4
 #: Attempts one generated fault fails at most.
 MAX_REINFERENCE = 3
@@ -77,6 +78,8 @@ HANG_TIMEOUT_S = 0.5
 STOP_STRINGS = ("er", "an", "th", "in", "ou", "st")
 #: The tiny model's vocabulary has about 512 tokens; ids drawn below this exist.
 TOKEN_ID_LIMIT = 500
+#: KV block size of generated engines (the scenario format's default).
+BLOCK_SIZE = 32
 #: KV cache blocks of a generated engine without the ``preempt`` feature.
 KV_BLOCKS = 128
 #: Words of a shared prefix: more than one KV block of 32 tokens (the tiny model's tokenizer
@@ -95,6 +98,10 @@ class ExploreSpace:
     phases: tuple[str, ...] = PHASES
     #: Drawn kinds keep their relative weights (``KIND_WEIGHTS``).
     weights: dict[FaultKind, int] = field(default_factory=lambda: dict(KIND_WEIGHTS))
+    #: The number of tokens the model's tokenizer makes of a prompt (special tokens included),
+    #: or None: with it, a third of the faults hit the step where their request starts a new
+    #: KV block (``Campaign`` gives the model's).
+    prompt_tokens: Callable[[str], int] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.tp or any(t < 1 for t in self.tp):
@@ -159,6 +166,17 @@ def _names(text: str | Sequence[str] | None) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def model_prompt_tokens(model: str = "tiny") -> Callable[[str], int]:
+    """``ExploreSpace.prompt_tokens`` for ``model`` (generated scenarios run the tiny model):
+    its tokenizer's count, special tokens included, as vLLM's tokenizer counts them."""
+    from tokenizers import Tokenizer
+
+    from ftkit.model.tiny import resolve_model
+
+    tokenizer = Tokenizer.from_file(str(resolve_model(model) / "tokenizer.json"))
+    return lambda prompt: len(tokenizer.encode(prompt).ids)
+
+
 # --- the strategy ---------------------------------------------------------------------------
 
 def _prompt(words: int, seed: int) -> str:
@@ -184,6 +202,9 @@ def scenarios(draw: st.DrawFn, space: ExploreSpace) -> dict[str, Any]:
     n_requests = draw(st.integers(1, MAX_REQUESTS))
     max_tokens = draw(st.integers(MIN_TOKENS, MAX_TOKENS))
 
+    # The faults first: a killed process decides which features the workload may have (a
+    # resumed request cannot have them all yet), and a fault's position is drawn before the
+    # prompts, so that shrinking the workload does not move every choice of the faults.
     faults = [_fault(draw, space, tp, n_requests, max_tokens)]
     if has["compound"]:
         for _ in range(draw(st.integers(1, 2))):
@@ -195,9 +216,15 @@ def scenarios(draw: st.DrawFn, space: ExploreSpace) -> dict[str, Any]:
         faults = [f for f in faults if f not in kills[1:]]
 
     workload = _workload(draw, has, n_requests, max_tokens, resumable=not kills)
-    lengths = [r["sampling"].get("max_tokens", max_tokens) for r in workload["requests"]]
-    for fault in faults:  # a request's own max_tokens may be below the token drawn for it
-        fault["at"]["token"] = min(fault["at"]["token"], lengths[fault["at"]["request"]] - 1)
+    for fault in faults:
+        request = workload["requests"][fault["at"]["request"]]
+        length = request["sampling"].get("max_tokens", max_tokens)
+        if fault["at"].pop("edge", False) and space.prompt_tokens is not None:
+            edge = new_block_token(space.prompt_tokens(request["prompt"]))
+            if edge < length:
+                fault["at"]["token"] = edge
+        # A request's own max_tokens may be below the token drawn for it.
+        fault["at"]["token"] = min(fault["at"]["token"], length - 1)
 
     # vLLM turns prefix caching and chunked prefill on by default; the engine features are
     # a budget small enough to chunk prompts, and a small KV cache.
@@ -239,8 +266,14 @@ def _drawn(draw: st.DrawFn, feature: str) -> bool:
     return draw(st.booleans())
 
 
+def new_block_token(prompt_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """The output token whose step first writes a request's next KV block: the step that
+    computes output token *t* (from 1) writes the KV of position ``prompt_tokens + t - 1``."""
+    return 1 + (-prompt_tokens) % block_size
+
+
 def _fault(draw: st.DrawFn, space: ExploreSpace, tp: int, n_requests: int, max_tokens: int,
-           at: dict[str, int] | None = None) -> dict[str, Any]:
+           at: dict[str, Any] | None = None) -> dict[str, Any]:
     kinds = space.kinds_for(tp)
     if not kinds:  # only link faults asked for, at tensor parallel 1: the simplest other kind
         kinds = [FaultKind.OOM]
@@ -256,6 +289,11 @@ def _fault(draw: st.DrawFn, space: ExploreSpace, tp: int, n_requests: int, max_t
     if at is None:
         at = {"request": draw(st.integers(0, n_requests - 1)),
               "token": draw(st.integers(0, max_tokens - 1))}
+        if space.prompt_tokens is not None:
+            # One fault in three at the step where its request starts a new KV block (the
+            # step that changes the request's block table: its rollback matters). The token
+            # is known once the prompt is.
+            at["edge"] = draw(st.integers(0, 2)) == 2
     fault["at"] = dict(at)
     fault["phase"] = draw(st.sampled_from(space.phases))
     if kind is FaultKind.PROCESS_KILL:

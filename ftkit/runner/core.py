@@ -18,7 +18,7 @@ from ftkit.contracts.plan import FaultPlan
 from ftkit.progress import EventSink, ProgressEvent, ignore_events
 from ftkit.kinds import kind_spec
 from ftkit.model.tiny import resolve_model
-from ftkit.results import RunOutput, ScenarioResult
+from ftkit.results import RunOutput, ScenarioResult, Verdict
 from ftkit.runner import baseline as baseline_cache
 from ftkit.runner.host_client import HostClient
 from ftkit.scenario.model import Scenario
@@ -41,7 +41,12 @@ class ScenarioRunner:
     def __init__(self, *, use_cache: bool = True, max_idle_hosts: int = MAX_IDLE_HOSTS) -> None:
         self.use_cache = use_cache
         self.max_idle_hosts = max_idle_hosts
+        #: Engine keys whose last faulty run did not pass: a failed recovery may have left
+        #: the engine damaged (weights not reloaded, KV not rebuilt), so the next job on it
+        #: starts a new engine rather than inherit the damage.
+        self._suspect: set[str] = set()
         self._hosts: dict[str, HostClient] = {}  # engine key -> host, least recently used first
+        self._last_key = ""
 
     def __enter__(self) -> ScenarioRunner:
         return self
@@ -59,9 +64,10 @@ class ScenarioRunner:
         for host in hosts:
             host.close(deadline=deadline)
 
-    def run(self, scenario: Scenario, *, file: str,
-            on_event: EventSink = ignore_events) -> ScenarioResult:
-        """Run ``scenario`` and return its verdict. Never leaves a process behind."""
+    def run(self, scenario: Scenario, *, file: str, on_event: EventSink = ignore_events,
+            fresh_engine: bool = False) -> ScenarioResult:
+        """Run ``scenario`` and return its verdict. Never leaves a process behind.
+        ``fresh_engine``: run the faulty run on a new engine whatever ran before."""
         started = time.monotonic()
         model_dir = str(resolve_model(scenario.engine.model))
         deadline = started + scenario.expect.timeout_s
@@ -79,9 +85,11 @@ class ScenarioRunner:
         run = self.run_job(scenario, model_dir, recovery=recovery, plan=plan,
                            on_event=on_event, timeout_s=max(1.0, deadline - time.monotonic()),
                            max_restarts=kills if scenario.recovery.enabled else 0,
-                           multiprocess=kills > 0)
+                           multiprocess=kills > 0, fresh_engine=fresh_engine)
         result = verify(scenario, baseline, run, file=file,
                         duration_s=time.monotonic() - started)
+        if result.verdict != Verdict.PASS:
+            self._suspect.add(self._last_key)
         result.baseline_from_cache = baseline.from_cache
         on_event(ProgressEvent(scenario.name, "done", f"{result.verdict}: {result.reason}"))
         return result
@@ -105,7 +113,8 @@ class ScenarioRunner:
 
     def run_job(self, scenario: Scenario, model_dir: str, *, recovery: RecoveryConfig | None,
                 plan: FaultPlan, on_event: EventSink, timeout_s: float,
-                max_restarts: int = 0, multiprocess: bool = False) -> RunOutput:
+                max_restarts: int = 0, multiprocess: bool = False,
+                fresh_engine: bool = False) -> RunOutput:
         """Run the scenario's workload once on a (possibly kept) engine host, within
         ``timeout_s``. A host that timed out, or whose job failed to finish, is killed."""
         job = EngineJob(
@@ -115,6 +124,10 @@ class ScenarioRunner:
             max_restarts=max_restarts,
             # Said explicitly, so that jobs that get the same engine share it.
             multiprocess=multiprocess or scenario.engine.tensor_parallel_size > 1)
+        key = self._last_key = job.engine_key()
+        if fresh_engine or key in self._suspect:
+            self._suspect.discard(key)
+            job = job.replace(fresh_engine=True)
         host = self._host_for(job)
         try:
             out = host.run(job, scenario.name, on_event, timeout_s,

@@ -100,7 +100,8 @@ class Host:
     def _engine_for(self, job: EngineJob) -> tuple[EngineSession, bool]:
         """The engine for ``job``: the current one if it fits and lives, else a new one."""
         key = job.engine_key()
-        if self.session is not None and self.key == key and self.session.dead is None:
+        if self.session is not None and self.key == key and self.session.dead is None \
+                and not job.fresh_engine:
             self.session.reset_prefix_cache()
             return self.session, False
         self.close()

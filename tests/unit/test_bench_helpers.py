@@ -1,10 +1,12 @@
 """The benchmark suite's own arithmetic: summaries, paired ratios, the order of repeats, the
-tables, the phases of a recovery round laid out from events, the performance page.
+tables, the phases of a recovery round laid out from events, the performance page, the chaos
+search's rates.
 (Performance itself is measured by ``make bench``, never asserted by a test.)"""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,11 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import recovery, report  # noqa: E402
+from benchmarks import explore, recovery, report  # noqa: E402
+from ftkit.explore import CampaignResult, ExploredRun  # noqa: E402
+from ftkit.progress import ProgressEvent  # noqa: E402
+from ftkit.results import FaultRecord, ScenarioResult, Verdict  # noqa: E402
+from ftkit.scenario.model import Scenario  # noqa: E402
 from ftkit.contracts.eventlog import (  # noqa: E402
     FaultFired,
     KvRecomputed,
@@ -132,3 +138,90 @@ def test_performance_page_is_left_alone_without_results(tmp_path):
     page.write_text("kept\n")
     report.write(tmp_path, page=page)
     assert page.read_text() == "kept\n"
+
+
+# --- the chaos search's rates ---------------------------------------------------------------
+
+def _explored(index, duration_s, faults, shrinking=False):
+    return ExploredRun(index=index, name=f"s{index}", tp=1, faults=faults, features=[],
+                       verdict="pass", what="", signature=None, reason="ok",
+                       duration_s=duration_s, shrinking=shrinking)
+
+
+def test_explore_figures_count_generated_runs_and_the_time_of_kills():
+    result = CampaignResult(seed=1, space={}, budget="60 s", started_at=0.0, duration_s=12.0)
+    result.runs = [_explored(0, 2.0, ["uce/forward"]),
+                   _explored(1, 6.0, ["oom/sample", "process_kill/before"]),
+                   _explored(2, 1.0, ["hang/forward"]),
+                   _explored(3, 0.5, ["uce/forward"], shrinking=True)]
+    looks = [explore.Look(4, 32, "plain", engine_starts=2, engine_start_s=3.0),
+             explore.Look(2, 16, "chunked", restart_s=1.5),
+             explore.Look(1, 8, "plain", baseline_from_cache=True),
+             explore.Look(1, 8, "plain", baseline_from_cache=True),
+             explore.Look(1, 4, "preempt")]  # interrupted before its run was recorded
+    got = explore.figures(result, looks)
+    assert (got["scenarios_run"], got["shrink_runs"]) == (3, 1)
+    assert got["per_minute"] == pytest.approx(20.0)  # 3 in 9 s of generated runs
+    assert got["wall_per_minute"] == pytest.approx(15.0)  # 3 in 12 s
+    assert got["runs_per_minute"] == pytest.approx(20.0)  # 4 in 12 s
+    assert (got["run_s_mean"], got["run_s_median"]) == (pytest.approx(3.0), 2.0)
+    assert (got["kill_runs"], got["kill_share"]) == (1, pytest.approx(6.0 / 9.0))
+    assert got["requests_mean"] == pytest.approx(7 / 3)
+    assert got["max_tokens_mean"] == pytest.approx(56 / 3)
+    assert got["at_4x32"] == 1
+    assert (got["engine_configs"], got["engine_starts"], got["baselines_cached"]) == (2, 2, 2)
+    assert (got["engine_start_s"], got["restart_s"]) == (3.0, 1.5)
+
+
+class _Runner:
+    """A stand-in for ``ScenarioRunner``: starts one engine, reuses it, one restart."""
+
+    def run(self, scenario, *, file, on_event):
+        on_event(ProgressEvent(scenario.name, "engine_start"))
+        time.sleep(0.05)
+        on_event(ProgressEvent(scenario.name, "engine_ready", "engine started in 0.1 s"))
+        on_event(ProgressEvent(scenario.name, "engine_ready", "engine reused"))
+        fault = FaultRecord(kind="process_kill", rank=0, request=0, token=1, phase="before",
+                            times=1, fired=True, restart_s=4.0)
+        return ScenarioResult(name=scenario.name, file=file, verdict=Verdict.PASS,
+                              reason="ok", duration_s=1.0, faults=[fault],
+                              baseline_from_cache=True)
+
+
+def test_explore_looks_at_each_scenario_it_runs():
+    scenario = Scenario.model_validate({
+        "name": "t", "workload": {"requests": [{"prompt": "a b"}, {"prompt": "c d"}],
+                                  "max_tokens": 8},
+        "faults": [{"kind": "process_kill", "rank": 0, "at": {"request": 0, "token": 1},
+                    "phase": "before"}]})
+    execute = explore.LookingExecute(_Runner())
+    assert execute(scenario, "<t>").verdict == Verdict.PASS
+    [look] = execute.looks
+    assert (look.requests, look.max_tokens, look.engine_starts) == (2, 8, 1)
+    assert 0.05 <= look.engine_start_s < 1.0
+    assert (look.restart_s, look.baseline_from_cache) == (4.0, True)
+    assert '"tensor_parallel_size": 1' in look.engine
+
+
+def _campaign_figures(tp, per_minute, failures=()):
+    return {"tp": tp, "budget_s": 300.0, "seed": 11, "scenarios_run": 100,
+            "per_minute": per_minute, "wall_per_minute": per_minute - 1, "generation_s": 250.0,
+            "run_s_mean": 2.5, "run_s_median": 2.0, "engine_starts": 6,
+            "engine_start_s": 50.0, "engine_configs": 3, "kill_runs": 2, "kill_share": 0.1,
+            "shrink_runs": 7 if failures else 0, "failures": list(failures),
+            "requests_mean": 2.5, "max_tokens_mean": 18.0, "at_4x32": 4,
+            "baselines_cached": 9}
+
+
+def test_explore_section_checks_each_target():
+    text = report._explore({"quick": False, "campaigns": [
+        _campaign_figures(1, 24.0),
+        _campaign_figures(2, 5.5, ["fail: logprobs after uce/sample"])]})
+    rows = [line for line in text.splitlines() if line.startswith("| 1 ") or
+            line.startswith("| 2 ")]
+    assert rows[0].startswith("| 1 | 300 s | 100 | 24.0 | 20 | met | 23.0 | 2.5 (2.0) |")
+    assert rows[1].startswith("| 2 | 300 s | 100 | 5.5 | 6 | not met | 4.5 |")
+    assert "TP 1: 24.0 scenarios per minute (target 20: met)" in text
+    assert "TP 2: 5.5 scenarios per minute (target 6: not met)" in text
+    assert "engine starts took 50 s of the 250 s of run time (20 %" in text
+    assert "shrunk in 7 runs: `fail: logprobs after uce/sample`" in text

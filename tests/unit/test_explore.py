@@ -114,7 +114,7 @@ def test_generated_scenarios_are_valid_and_cover_the_space():
     for s in recorder.seen:
         if s.engine.tensor_parallel_size == 1:
             assert not {str(f.kind) for f in s.faults} & {"link_break", "link_flap"}
-        assert 1 <= len(s.workload.requests) <= 4 and MIN_TOKENS <= s.workload.max_tokens <= 32
+        assert 1 <= len(s.workload.requests) <= 4 and MIN_TOKENS <= s.workload.max_tokens <= 64
 
 
 def test_a_restricted_space_draws_only_what_it_allows():
@@ -238,3 +238,27 @@ def test_outcome_names_what_failed(tmp_path):
                                      "run failed: VLLMValidationError: too long"))
     # The fault-free run failing is one failure, whatever faults the scenario had.
     assert baseline.signature == "error: baseline VLLMValidationError after no fault"
+
+
+def test_a_third_of_the_faults_hit_the_step_that_starts_a_new_kv_block():
+    from ftkit.explore.space import new_block_token
+
+    # The step computing output token t writes position prompt + t - 1.
+    assert [new_block_token(n) for n in (18, 31, 32, 33, 64)] == [15, 2, 1, 32, 1]
+    recorder = Recorder()
+    counts = {}
+
+    def words(prompt):  # a stand-in tokenizer: three tokens a word
+        return 3 * len(prompt.split())
+
+    options = ExploreOptions(seed=8, budget=Budget(scenarios=60),
+                             space=ExploreSpace(prompt_tokens=words))
+    Campaign(options, execute=recorder).run()
+    for s in recorder.seen:
+        for f in s.faults:
+            prompt = s.workload.requests[f.at.request].prompt
+            edge = new_block_token(words(prompt))
+            counts[f.at.token == edge] = counts.get(f.at.token == edge, 0) + 1
+    # A third are drawn at the edge; those whose edge lies past the request's last token
+    # keep their drawn token (and a drawn token may be an edge by chance).
+    assert counts[True] >= 0.1 * (counts[True] + counts[False]), counts

@@ -47,6 +47,7 @@ def test_a_job_survives_its_json_form():
     assert back == j
     assert back.plan.faults[0].spec == OOM
     assert EngineJob.from_json(job(recovery=None).to_json()).recovery is None
+    assert EngineJob.from_json(job(fresh_engine=True).to_json()).fresh_engine is True
 
 
 def test_the_engine_key_leaves_out_what_a_run_sets_itself():
