@@ -336,7 +336,7 @@ def _explore_reading(c: dict[str, Any], target: float | None) -> str:
     if c["requests_mean"] is not None:
         text += (f"; the workloads averaged {c['requests_mean']:.1f} requests x "
                  f"{c['max_tokens_mean']:.0f} tokens ({c['at_4x32']} of "
-                 f"{c['scenarios_run']} at the space's largest, 4 x 32)")
+                 f"{c['scenarios_run']} at the issue's stated shape, 4 x 32)")
     text += f"; {c['baselines_cached']} baselines came from the campaign's cache"
     if c["failures"]:
         text += (f"; {len(c['failures'])} failure(s), shrunk in {c['shrink_runs']} runs: "

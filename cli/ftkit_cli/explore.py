@@ -262,7 +262,9 @@ class CampaignReport:
             table.add_row("signature", Text(failure["signature"], style="bold red"))
             table.add_row("shrunk to", Text(size))
             table.add_row("found at", Text(f"run {failure['found_at']}"))
-            table.add_row("shrink runs", Text(str(failure["shrink_runs"])))
+            table.add_row("shrink runs", Text(str(failure["shrink_runs"]) + (
+                "" if failure.get("shrink_complete", True) else " (stopped: out of time)")))
+            table.add_row("reproduced", Text(_reproduced(failure.get("reproduced"))))
             table.add_row("file", Text(failure["file"] or "(not written)"))
             if failure["also_seen_as"]:
                 table.add_row("also seen as", Text("\n".join(failure["also_seen_as"])))
@@ -327,3 +329,11 @@ def _write_reports(report: Mapping[str, Any], err: Console, campaign_json: Path,
             continue
         err.print(f"{label} report written to {path}", markup=False, soft_wrap=True)
     return written
+
+
+def _reproduced(value: bool | None) -> str:
+    if value is None:
+        return "not checked"
+    return ("yes: it fails the same way alone, on a new engine" if value else
+            "no: alone on a new engine it does not fail so; an earlier run left the engine "
+            "damaged")

@@ -160,6 +160,7 @@ class Campaign:
                 if self.options.space.prompt_tokens is None:
                     self.options.space = dataclasses.replace(
                         self.options.space, prompt_tokens=model_prompt_tokens())
+            self._cover_each_kind_and_phase()
             round_no = 0
             while not self._spent():
                 before = self.result.scenarios_run
@@ -179,22 +180,37 @@ class Campaign:
             self.result.duration_s = time.monotonic() - self._started
         return self.result
 
+    def _cover_each_kind_and_phase(self) -> None:
+        """Before the search, the simplest scenario of each kind in each phase (one draw of a
+        space narrowed to them, at the lowest tensor parallel size the kind runs at): a short
+        campaign then covers every kind and phase, whatever its draws."""
+        space = self.options.space
+        for index, (kind, phase) in enumerate(
+                (k, p) for k in space.kinds for p in space.phases):
+            tp = tuple(t for t in space.tp if t > 1 or kind in space.kinds_for(1))
+            if not tp or self._spent():
+                continue
+            narrow = dataclasses.replace(space, tp=tp, kinds=(kind,), phases=(phase,))
+            self._round(-1 - index, space=narrow, examples=1)
+
     def _spent(self) -> bool:
         budget = self.options.budget
         if budget.scenarios is not None:
             return self.result.scenarios_run >= budget.scenarios
         return time.monotonic() - self._started >= (budget.seconds or 0.0)
 
-    def _round(self, round_no: int) -> None:
+    def _round(self, round_no: int, *, space: ExploreSpace | None = None,
+               examples: int | None = None) -> None:
         self._round_failed = []
         self._round_failed_at = 0.0
         phases = [Phase.generate] + ([Phase.shrink] if self.options.shrink else [])
-        config = settings(max_examples=self.options.round_size, deadline=None, database=None,
+        config = settings(max_examples=examples or self.options.round_size, deadline=None,
+                          database=None,
                           phases=phases, report_multiple_bugs=True, derandomize=False,
                           suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
                           print_blob=False)
         test = seed(self.options.seed * 1_000_003 + round_no)(
-            config(given(scenarios(self.options.space))(self._check)))
+            config(given(scenarios(space or self.options.space))(self._check)))
         try:
             test()
         except (Unsatisfiable, _BudgetSpent):

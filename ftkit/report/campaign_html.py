@@ -209,8 +209,12 @@ def _failure(failure: Mapping[str, Any]) -> str:
 
 
 def _found(failure: Mapping[str, Any]) -> str:
+    reproduced = {None: "not checked alone", True: "reproduced alone on a new engine",
+                  False: "NOT reproduced alone on a new engine (an earlier run left the "
+                         "engine damaged)"}[failure.get("reproduced")]
+    complete = "" if failure.get("shrink_complete", True) else " (shrinking ran out of time)"
     return (f"found at run {failure['found_at']}, shrunk in {failure['shrink_runs']} "
-            "run(s)")
+            f"run(s){complete}; {reproduced}")
 
 
 def _size(size: Mapping[str, Any], key: str) -> str:

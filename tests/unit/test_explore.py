@@ -254,7 +254,7 @@ def test_a_third_of_the_faults_hit_the_step_that_starts_a_new_kv_block():
     options = ExploreOptions(seed=8, budget=Budget(scenarios=60),
                              space=ExploreSpace(prompt_tokens=words))
     Campaign(options, execute=recorder).run()
-    for s in recorder.seen:
+    for s in recorder.seen[15:]:  # after the simplest scenario of each kind and phase
         for f in s.faults:
             prompt = s.workload.requests[f.at.request].prompt
             edge = new_block_token(words(prompt))
@@ -262,3 +262,17 @@ def test_a_third_of_the_faults_hit_the_step_that_starts_a_new_kv_block():
     # A third are drawn at the edge; those whose edge lies past the request's last token
     # keep their drawn token (and a drawn token may be an edge by chance).
     assert counts[True] >= 0.1 * (counts[True] + counts[False]), counts
+
+
+def test_a_short_campaign_covers_every_kind_in_every_phase():
+    recorder = Recorder()
+    result = campaign(recorder, seed=9, budget=25, tp=(1, 2))
+    cells = {(c.kind, c.phase) for c in result.coverage}
+    assert cells == {(k.value, p) for k in FaultKind for p in ("before", "forward", "sample")}
+    # The first runs are the simplest scenario of each: link faults at tensor parallel 2.
+    first = recorder.seen[:21]
+    assert [(str(s.faults[0].kind), s.faults[0].phase) for s in first[:3]] == \
+        [("oom", "forward"), ("oom", "before"), ("oom", "sample")]
+    assert all(s.engine.tensor_parallel_size == 2 for s in first
+               if str(s.faults[0].kind).startswith("link"))
+    assert all(len(s.workload.requests) == 1 and len(s.faults) == 1 for s in first)
