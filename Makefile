@@ -74,7 +74,7 @@ run: setup ## Run the headline scenario (link flap on TP=2 vLLM, CPU)
 test: setup ## Run the test suite (unit, multi-process and real-vLLM tests)
 	$(PYTEST) -q -rs --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) $(TESTS)
 
-bench: setup $(LEGACY_STAMP) ## Benchmarks: fault-free cost, snapshot, recovery latency, scenario library (~25 min)
+bench: setup $(LEGACY_STAMP) ## Benchmarks: fault-free cost, snapshot, recovery latency, scenario library, chaos search (~50 min)
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
 
 # The earlier design's per-step costs, as a benchmark-only vLLM plugin (worker processes are

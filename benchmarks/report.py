@@ -81,7 +81,7 @@ def _intro(results: dict[str, dict[str, Any]]) -> str:
         commit = "commits " + ", ".join(
             f"{r['machine']['commit']} ({name}, {r['machine']['when']})"
             for name, r in results.items())
-    return (f"`make bench` (`python -m benchmarks`, about 35 minutes; `--quick` for a smoke "
+    return (f"`make bench` (`python -m benchmarks`, about 50 minutes; `--quick` for a smoke "
             f"run) measures on real vLLM engines and writes `benchmarks/results/` (JSON per "
             f"suite, `RESULTS.md`). These figures{quick}: {m['cpus']} CPU cores, vLLM "
             f"{m['vllm']}, torch {m['torch']}, {commit}; every cell is "
