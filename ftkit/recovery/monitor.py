@@ -120,6 +120,8 @@ class RecoveryMonitor:
         #: (epoch, ``time.time()``) of the last round for which the monitor stopped this
         #: rank's step: when this rank learnt of a peer's fault.
         self._last_stop_request: tuple[int, float] | None = None
+        #: The monitor thread is running a round for this idle rank, its record included.
+        self._monitor_busy = False
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -174,6 +176,22 @@ class RecoveryMonitor:
                             self._rpc_kind, self._step)
         return self._run_round(self._channels.main, epoch, status, owner="main")
 
+    def settle(self) -> None:
+        """(Main thread, between RPCs.) Wait, at most ``gate_timeout_s``, until a round that
+        the monitor thread runs for this idle rank is over and recorded; raise
+        ``RecoveryError`` if it, or an earlier round, failed.
+
+        A rank whose output nobody waits for (every rank but the output rank) may still be in
+        its last step, or recovering it, when the engine already has that step's output: a
+        caller that needs every rank quiet (the end of a workload) asks every rank to settle,
+        then again, since a peer's round may have begun only after this rank settled."""
+        with self._lock:
+            if not self._cond.wait_for(lambda: not self._monitor_busy, self.gate_timeout_s):
+                raise RecoveryError(f"recovery round {self.epoch} did not finish within "
+                                    f"{self.gate_timeout_s:g} s")
+            if self._failed is not None:
+                raise RecoveryError(f"an earlier recovery round failed: {self._failed.reason}")
+
     def join_after_failure(self, status: RankStatus) -> Decision:
         """Called by the main thread when its step raised: runs this rank's part of the round."""
         with self._lock:
@@ -220,9 +238,15 @@ class RecoveryMonitor:
                 self._cond.wait_for(lambda: self.epoch != epoch or self._shutdown.is_set(),
                                     MONITOR_WAKE_S)
                 return
+            self._monitor_busy = True
         status = RankStatus(self.coordinator.rank, RankState.IDLE, self._completed,
                             RpcKind.NONE, self._step)
-        decision = self._run_round(channel, epoch, status, owner="monitor")
+        try:
+            decision = self._run_round(channel, epoch, status, owner="monitor")
+        finally:
+            with self._lock:
+                self._monitor_busy = False
+                self._cond.notify_all()
         if not decision.recompute:
             log.error("ftkit: recovery round %d decided to raise: %s", epoch, decision.reason)
 

@@ -265,6 +265,8 @@ class StepWrapper:
         kind, step, arg, _ = self._kept(rpc)
         attempt = max(attempt, 1)
         call = self._calls[kind]
+        if kind is _SAMPLE:
+            self._renew_sample_record(rpc)
         epoch = self.monitor.enter_step(rpc, kind, step)
         if kind is _EXECUTE and rpc == self.rpc and epoch != self._layout_epoch:
             # Only the RPC in flight: a step run again re-adds its rows to the batch its
@@ -290,11 +292,25 @@ class StepWrapper:
         for rpc in range(self._rewind(decision, status.rpc, failed=False), status.rpc + 1):
             kind, step, arg, _ = self._kept(rpc)
             call = self._calls[kind]
+            if kind is _SAMPLE:
+                self._renew_sample_record(rpc)
             for hook in self._attempt_hooks:
                 hook.on_attempt(kind, step, 1, arg)
             if kind is _EXECUTE and state.repair_pending:
                 state.before_attempt(arg, call)
             call(arg)
+
+    def _renew_sample_record(self, rpc: int) -> None:
+        """Before sampling RPC ``rpc`` runs again: its record anew, as its first run took it.
+
+        The re-run of the step's forward pass may have rebuilt request states (a request the
+        step introduced is forgotten by the undo and added again, with a new generator): the
+        record must name the generators this run samples with, and a resumed request's new
+        generator must be fast-forwarded again (``StepState.begin_sample``)."""
+        _, step, arg, _ = self._kept(rpc)
+        forward = next((kept[2] for kept in (self._execute, self._execute_before)
+                        if kept is not None and kept[0] == rpc - 1), None)
+        self._sample = (rpc, step, arg, self.state.begin_sample(forward))
 
     def _kept(self, rpc: int) -> tuple[RpcKind, int, Any, Any]:
         """(kind, step, argument, sample record) of RPC ``rpc``, one of the last three."""

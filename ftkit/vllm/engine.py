@@ -22,6 +22,7 @@ for an ftkit engine, a ``RecoveryConfig``; faults are planned per run with a ``F
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import tempfile
@@ -32,7 +33,7 @@ from typing import Any
 import psutil
 
 from ftkit import procs
-from ftkit.bounds import ENGINE_START_TRACK_S, REAP_GRACE_S
+from ftkit.bounds import ENGINE_START_TRACK_S, REAP_GRACE_S, VLLM_EXECUTE_TIMEOUT_DEFAULT_S
 from ftkit.config import RecoveryConfig
 from ftkit.contracts.eventlog import FaultFired, RecoveryRound, only, read_events
 from ftkit.contracts.job import EngineRestart, SamplingSpec
@@ -47,6 +48,10 @@ log = logging.getLogger("ftkit")
 
 #: The watchdog's record, in the engine's temporary folder (removed with it).
 WATCH_RECORD = "ftkit-watch-record"
+
+
+#: Numbers the runs of this process (``EngineSession.new_run_id``).
+_RUN_NUMBERS = itertools.count(1)
 
 
 class EngineSession:
@@ -78,7 +83,6 @@ class EngineSession:
         #: vLLM's bound on one step RPC of the current engine, against what its recovery
         #: needs (raised where short; ``None``: vLLM bounds no step of this engine).
         self.execute_timeout: ExecuteTimeout | None = None
-        self._runs = 0
         #: The fault plan of each run id, as given, to plan it again after a restart.
         self._plans: dict[str, FaultPlan] = {}
         #: Files the current engine's processes hold in shared memory, and its temporary
@@ -221,8 +225,10 @@ class EngineSession:
             self.llm.reset_prefix_cache()
 
     def new_run_id(self) -> str:
-        self._runs += 1
-        return f"r{os.getpid()}.{self._runs}"
+        """An id no other run of this process has had, whichever of its sessions ran it: the
+        fault plans and fired faults of the event log are told apart by it (a host that
+        replaces its session after a failed run shares the log with the one it replaced)."""
+        return f"r{os.getpid()}.{next(_RUN_NUMBERS)}"
 
     def generate(self, prompts: list[str], sampling: SamplingSpec, *, run_id: str | None = None,
                  deadline: float | None = None,
@@ -263,6 +269,14 @@ class EngineSession:
                     break
                 restarts.append(self._restart(work, error, started))
                 error = None
+        if error is None:
+            try:
+                self._settle(deadline)
+            except RunTimeout:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a rank's failed round is the run's result
+                error = self.dead = (_describe_engine_error(exc)
+                                     + self._recovery_verdict(started_at))
         return GenerateResult(work.outputs, error, time.monotonic() - started, started_at,
                               restarts=restarts)
 
@@ -295,6 +309,36 @@ class EngineSession:
             work.submit_due(engine)
             if on_tokens is not None:
                 on_tokens(work.done, work.total)
+
+    def _settle(self, deadline: float | None) -> None:
+        """Wait until every rank has finished the workload's last step, and its recovery.
+
+        The engine reads a step's output from one rank only: the others may still be in
+        that step, or recovering from a fault in it, when the workload is already complete.
+        Until they are done, the run's records (its recovery rounds) are incomplete, and
+        the engine is not ready for a next workload or to be closed. ``ftkit_settle`` waits
+        for every rank (it queues behind their steps), twice: a round that a lagging rank
+        began may involve a peer that had already answered the first call. Each call is
+        bounded by vLLM's bound on one step, which covers the step's recovery
+        (``ExecuteTimeout``), and by ``deadline``."""
+        if self.recovery is None or self.spec.tensor_parallel_size < 2:
+            return
+        bound = float(self.execute_timeout.seconds if self.execute_timeout is not None
+                      else VLLM_EXECUTE_TIMEOUT_DEFAULT_S)
+        for _ in range(2):
+            timeout = bound
+            if deadline is not None:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    raise RunTimeout("the engine's ranks did not settle before the deadline")
+                timeout = min(bound, timeout)
+            try:
+                self.llm.collective_rpc("ftkit_settle", timeout=timeout)
+            except TimeoutError as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RunTimeout("the engine's ranks did not settle before the "
+                                     "deadline") from exc
+                raise
 
     def _unblock_front_end(self, pid: int) -> None:
         """vLLM's front end notices the engine core's death but leaves a caller blocked in

@@ -124,4 +124,5 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     # one argument: the plan as JSON (``FaultPlan.to_json``).
     worker.ftkit_set_fault_plan = ftkit_worker.set_fault_plan
     worker.ftkit_transport_counts = ftkit_worker.transport_counts
+    worker.ftkit_settle = ftkit_worker.settle
     return ftkit_worker

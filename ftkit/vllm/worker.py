@@ -104,6 +104,14 @@ class FtkitWorker:
                                  f"{max_reinference!r}")
             self.coordinator.max_reinference = max_reinference
 
+    def settle(self) -> None:
+        """Return once this rank is quiet: every step RPC it was sent has returned (the call
+        is queued behind them) and no recovery round runs for it; raise if one failed.
+        Reached through ``collective_rpc`` (``ftkit_settle``), which waits for every rank,
+        not only the one whose output the engine reads (``RecoveryMonitor.settle``)."""
+        if self.recovery is not None:
+            self.recovery.monitor.settle()
+
     def transport_counts(self) -> dict[str, int]:
         """The collectives this rank's backend ran, by operation and path (``all_reduce/shm``:
         ftkit's shared-memory transport; ``/gloo``: the fallback), when it counts them.

@@ -211,3 +211,45 @@ def test_a_step_that_ends_without_seeing_the_announcement_leaves_the_round_to_th
         assert eventually(lambda: monitor.epoch == 1) and monitor._pending is None
     finally:
         monitor.shutdown()
+
+
+def test_settle_waits_for_the_round_the_monitor_runs_for_an_idle_rank_and_its_record():
+    """``settle`` (the end of a workload) returns only once a round the monitor thread runs
+    for this idle rank is over and recorded; at once when there is none."""
+    channel = MemoryChannel()
+    release = threading.Event()
+    recorded = []
+    coordinator = Coordinator(0, 2, max_reinference=3, round_timeout_s=10,
+                              rebuild=lambda decision, times: release.wait(10))
+    monitor = RecoveryMonitor(coordinator, SideChannels(channel, lambda: channel),
+                              stop_communication=lambda: None, gate_timeout_s=5,
+                              on_round=lambda outcome: recorded.append(outcome.epoch))
+    monitor.settle()  # nothing in flight
+    monitor.start()
+    settled = threading.Event()
+    try:
+        peer = announce(channel, 0)
+        assert my_status(channel, 0).state is RankState.IDLE  # the monitor runs the round
+        waiter = threading.Thread(target=lambda: (monitor.settle(), settled.set()))
+        waiter.start()
+        assert not settled.wait(0.3), "settle returned while the round was running"
+        release.set()
+        assert settled.wait(10) and recorded == [0]
+        peer.join(10)
+    finally:
+        release.set()
+        monitor.shutdown()
+
+
+def test_settle_raises_after_a_failed_round():
+    channel = MemoryChannel()
+    coordinator = Coordinator(0, 2, max_reinference=3, round_timeout_s=0.05,
+                              rebuild=lambda decision, times: None)
+    monitor = RecoveryMonitor(coordinator, SideChannels(channel, lambda: channel),
+                              stop_communication=lambda: None, gate_timeout_s=5)
+    monitor.settle()
+    decision = monitor.join_after_failure(RankStatus(0, RankState.FAILED, 1, RpcKind.EXECUTE, 1,
+                                                     failures=1, kind="oom"))
+    assert not decision.recompute  # the peer never reports: PEER_SILENT
+    with pytest.raises(RecoveryError, match="earlier recovery round failed"):
+        monitor.settle()

@@ -122,6 +122,50 @@ def test_seeded_sampling_survives_a_link_break(tp2_engine, baseline):
     assert run.tokens == baseline.tokens["seeded"]
 
 
+def _last_step_sample_fault(baseline) -> tuple[int, int]:
+    """(request, token) of the workload's last token: the step after which the engine has
+    every output."""
+    lengths = [len(t) for t in baseline.tokens["greedy"]]
+    request = max(range(len(lengths)), key=lengths.__getitem__)
+    return request, lengths[request] - 1
+
+
+def test_sampling_fault_on_rank_1_in_the_last_step_is_recovered_within_the_run(
+        tp2_engine, baseline):
+    """Regression (found by ``ftkit explore``): the engine reads a step's output from rank 0
+    only, so it had the whole workload while rank 1 still recovered from a fault in the last
+    step's sampling; the run ended without that round (reported as a fault no round
+    recovered), and the round ran into the next workload. The run now ends once every rank
+    has settled."""
+    request, token = _last_step_sample_fault(baseline)
+    run = run_with_faults(tp2_engine, GREEDY,
+                          [fault("device_reset", 1, request, token, "sample", times=2)])
+    assert run.error is None
+    assert [(e.rank, e.attempt) for e in run.fired] == [(1, 1), (1, 2)]
+    fired_step = run.fired[0].step
+    failed = [r for r in run.rounds if r.rank == 1 and r.state == "failed"]
+    assert [r.step for r in failed] == [fired_step, fired_step]
+    assert {r.rank for r in run.rounds} == {0, 1}
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+def test_without_settling_the_last_step_round_is_missing_from_the_run(
+        tp2_engine, baseline, monkeypatch):
+    """The crippled variant: without waiting for every rank at the end, the run's records
+    lack the round that recovered rank 1's fault."""
+    request, token = _last_step_sample_fault(baseline)
+    with monkeypatch.context() as patched:
+        patched.setattr(tp2_engine, "_settle", lambda deadline: None)
+        run = run_with_faults(tp2_engine, GREEDY,
+                              [fault("device_reset", 1, request, token, "sample", times=2)])
+    # Rank 1 is still recovering: let it finish before the next test's workload.
+    tp2_engine._settle(None)
+    assert run.error is None
+    assert run.tokens == baseline.tokens["greedy"]  # rank 0's output: the tokens look right
+    assert [e.rank for e in run.fired][:1] == [1]
+    assert not [r for r in run.rounds if r.rank == 1 and r.state == "failed"]
+
+
 def test_flap_beyond_max_reinference_fails_cleanly_and_reaps(tiny_model, baseline, tmp_path):
     engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
                            recovery=recovery_config(str(tmp_path), max_reinference=3))
