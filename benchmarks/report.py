@@ -87,7 +87,8 @@ def _intro(results: dict[str, dict[str, Any]]) -> str:
             f"{m['vllm']}, torch {m['torch']}, {commit}; every cell is "
             f"the median with the range (min-max) of its repeats. One-minute load average "
             f"during each suite: {'; '.join(loads)} (above {m['cpus']} means something else "
-            f"shared the cores).")
+            f"shared the cores; except after explore, whose own engine hosts, up to 12 kept "
+            f"at once and all closed at its end, weigh in that last minute).")
 
 
 # --- fault-free overhead --------------------------------------------------------------------------
