@@ -150,12 +150,7 @@ class RecoveryMonitor:
     def _enter_waiting(self, rpc: int, rpc_kind: RpcKind, step: int) -> int:
         with self._lock:
             self._in_step = False  # waiting, not in a step, until the round is over
-            if self._owner == "monitor" and not self._cond.wait_for(
-                    lambda: self._owner != "monitor", self.gate_timeout_s):
-                raise RecoveryError(f"recovery round {self.epoch} did not finish within "
-                                    f"{self.gate_timeout_s:g} s")
-            if self._failed is not None:
-                raise RecoveryError(f"an earlier recovery round failed: {self._failed.reason}")
+            self._await_monitor(lambda: self._owner != "monitor")
             self._in_step = True
             self._rpc, self._rpc_kind, self._step = rpc, rpc_kind, step
             return self.epoch
@@ -186,11 +181,16 @@ class RecoveryMonitor:
         caller that needs every rank quiet (the end of a workload) asks every rank to settle,
         then again, since a peer's round may have begun only after this rank settled."""
         with self._lock:
-            if not self._cond.wait_for(lambda: not self._monitor_busy, self.gate_timeout_s):
-                raise RecoveryError(f"recovery round {self.epoch} did not finish within "
-                                    f"{self.gate_timeout_s:g} s")
-            if self._failed is not None:
-                raise RecoveryError(f"an earlier recovery round failed: {self._failed.reason}")
+            self._await_monitor(lambda: not self._monitor_busy)
+
+    def _await_monitor(self, done: Callable[[], bool]) -> None:
+        """(Lock held.) Wait, at most ``gate_timeout_s``, until ``done()`` (the monitor
+        thread's round is over); raise ``RecoveryError`` if it is not, or a round failed."""
+        if not self._cond.wait_for(done, self.gate_timeout_s):
+            raise RecoveryError(f"recovery round {self.epoch} did not finish within "
+                                f"{self.gate_timeout_s:g} s")
+        if self._failed is not None:
+            raise RecoveryError(f"an earlier recovery round failed: {self._failed.reason}")
 
     def join_after_failure(self, status: RankStatus) -> Decision:
         """Called by the main thread when its step raised: runs this rank's part of the round."""

@@ -308,6 +308,7 @@ class StepWrapper:
         record must name the generators this run samples with, and a resumed request's new
         generator must be fast-forwarded again (``StepState.begin_sample``)."""
         _, step, arg, _ = self._kept(rpc)
+        # The step's execute_model, when it is kept (``sample_tokens`` takes it as it finds).
         forward = next((kept[2] for kept in (self._execute, self._execute_before)
                         if kept is not None and kept[0] == rpc - 1), None)
         self._sample = (rpc, step, arg, self.state.begin_sample(forward))

@@ -54,6 +54,14 @@ def ftkit(args: list[str], cache_dir: Path, *, cripple: Path | None = None,
     return proc
 
 
+def cripple_dir(tmp_path: Path, code: str) -> Path:
+    """A folder whose ``sitecustomize`` runs ``code`` in every process it is on the path of."""
+    patch = tmp_path / "cripple"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(code)
+    return patch
+
+
 def signature_of(report: dict) -> str:
     """``Outcome.signature`` of the one scenario of an ``ftkit run --json`` report, from the
     report alone."""
@@ -85,9 +93,7 @@ def test_a_short_campaign_at_tp_1_and_2_runs_clean(tmp_path, cache_dir):
 @pytest.mark.parametrize("cripple", sorted(CRIPPLES))
 def test_a_crippled_recovery_is_found_and_shrunk(tmp_path, cache_dir, cripple):
     code, space = CRIPPLES[cripple]
-    patch = tmp_path / "cripple"
-    patch.mkdir()
-    (patch / "sitecustomize.py").write_text(code)
+    patch = cripple_dir(tmp_path, code)
     out = tmp_path / "out"
     report = tmp_path / "explore.json"
     # One phase and two features: fewer signatures of the same damage to shrink.
@@ -143,9 +149,7 @@ def test_the_regression_scenarios_found_by_campaigns_pass(tmp_path, cache_dir):
 @pytest.mark.parametrize("fix", sorted(UNFIXED))
 def test_each_regression_fails_without_its_fix(tmp_path, cache_dir, fix):
     code, name, reason = UNFIXED[fix]
-    patch = tmp_path / "unfixed"
-    patch.mkdir()
-    (patch / "sitecustomize.py").write_text(code)
+    patch = cripple_dir(tmp_path, code)
     report = tmp_path / "unfixed.json"
     proc = ftkit(["run", str(REGRESSIONS / name), "--json", str(report)], cache_dir,
                  cripple=patch)

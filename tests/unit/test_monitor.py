@@ -21,11 +21,13 @@ def peer_reports(channel: MemoryChannel, epoch: int, status: RankStatus) -> None
     channel.set(f"round/{epoch}/done/{status.rank}", "x")
 
 
-def make_monitor(channel: MemoryChannel) -> RecoveryMonitor:
-    coordinator = Coordinator(0, 2, max_reinference=3, round_timeout_s=10,
-                              rebuild=lambda decision, times: None)
+def make_monitor(channel: MemoryChannel, *, round_timeout_s: float = 10,
+                 rebuild=lambda decision, times: None, on_round=None) -> RecoveryMonitor:
+    coordinator = Coordinator(0, 2, max_reinference=3, round_timeout_s=round_timeout_s,
+                              rebuild=rebuild)
     return RecoveryMonitor(coordinator, SideChannels(channel, lambda: channel),
-                           stop_communication=lambda: None, gate_timeout_s=5)
+                           stop_communication=lambda: None, gate_timeout_s=5,
+                           on_round=on_round)
 
 
 def test_rank_between_a_failed_attempt_and_its_rerun_reports_the_rpc_it_will_rerun():
@@ -219,11 +221,8 @@ def test_settle_waits_for_the_round_the_monitor_runs_for_an_idle_rank_and_its_re
     channel = MemoryChannel()
     release = threading.Event()
     recorded = []
-    coordinator = Coordinator(0, 2, max_reinference=3, round_timeout_s=10,
-                              rebuild=lambda decision, times: release.wait(10))
-    monitor = RecoveryMonitor(coordinator, SideChannels(channel, lambda: channel),
-                              stop_communication=lambda: None, gate_timeout_s=5,
-                              on_round=lambda outcome: recorded.append(outcome.epoch))
+    monitor = make_monitor(channel, rebuild=lambda decision, times: release.wait(10),
+                           on_round=lambda outcome: recorded.append(outcome.epoch))
     monitor.settle()  # nothing in flight
     monitor.start()
     settled = threading.Event()
@@ -242,11 +241,7 @@ def test_settle_waits_for_the_round_the_monitor_runs_for_an_idle_rank_and_its_re
 
 
 def test_settle_raises_after_a_failed_round():
-    channel = MemoryChannel()
-    coordinator = Coordinator(0, 2, max_reinference=3, round_timeout_s=0.05,
-                              rebuild=lambda decision, times: None)
-    monitor = RecoveryMonitor(coordinator, SideChannels(channel, lambda: channel),
-                              stop_communication=lambda: None, gate_timeout_s=5)
+    monitor = make_monitor(MemoryChannel(), round_timeout_s=0.05)
     monitor.settle()
     decision = monitor.join_after_failure(RankStatus(0, RankState.FAILED, 1, RpcKind.EXECUTE, 1,
                                                      failures=1, kind="oom"))
