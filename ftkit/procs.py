@@ -44,6 +44,8 @@ log = logging.getLogger("ftkit")
 
 #: Where POSIX shared memory segments live (``shm_open``) on Linux.
 SHM_DIR = "/dev/shm/"
+#: How often ``kill_tree`` looks again for processes left in a killed root's session.
+SESSION_SWEEPS = 20
 
 
 def spawn(argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
@@ -148,17 +150,64 @@ def wait_gone(procs: Iterable[psutil.Process], timeout_s: float = REAP_GRACE_S
 
 
 def kill_tree(root: psutil.Process, also: Iterable[psutil.Process] = (),
-              timeout_s: float = REAP_GRACE_S) -> list[psutil.Process]:
+              timeout_s: float = REAP_GRACE_S, session: int | None = None
+              ) -> list[psutil.Process]:
     """Kill ``root``, every process below it and the processes ``also`` (for instance ones
     seen below it earlier and since reparented away), and wait for them; return those still
-    there after ``timeout_s``."""
+    there after ``timeout_s``.
+
+    ``session``: the session ``root`` was started to lead (``spawn``), known to the caller
+    even once ``root`` is gone; by default the session ``root`` leads now, if it does. The
+    root takes its whole session with it: a process forked below the tree while it was being
+    killed (an engine starting its workers) is reparented away before it could be seen below
+    ``root``, but stays in the session. After the kill, every process of that session
+    started since ``root`` is killed too, until none is left (a process killed by SIGKILL
+    forks no more)."""
     procs = [root, *descendants(root)]
     procs += [p for p in also if p not in procs]
+    if session is None:
+        session = _session_of(root)
     # Python's resource tracker unlinks the named semaphores it tracks (/dev/shm/sem.*) when
     # the process that started it is gone: it is waited for, and killed only if it lingers.
     helpers = [p for p in procs if is_process_helper(p)]
-    left = wait_gone(kill([p for p in procs if p not in helpers]), timeout_s)
+    killed = kill([p for p in procs if p not in helpers])
+    for _ in range(SESSION_SWEEPS if session is not None else 0):
+        strays = [p for p in session_members(session, since=root)
+                  if p not in killed and p not in helpers]
+        if not strays:
+            break
+        helpers += [p for p in strays if is_process_helper(p)]
+        killed += kill(p for p in strays if p not in helpers)
+    left = wait_gone(killed, timeout_s)
     return left + wait_gone(kill(wait_gone(helpers, timeout_s)), timeout_s)
+
+
+def _session_of(proc: psutil.Process) -> int | None:
+    """The session ``proc`` leads (its pid), or None if it leads none or is gone."""
+    try:
+        return proc.pid if alive(proc) and os.getsid(proc.pid) == proc.pid else None
+    except OSError:
+        return None
+
+
+def session_members(session: int, since: psutil.Process | None = None
+                    ) -> list[psutil.Process]:
+    """The live processes in session ``session`` now; ``since``: only those started no
+    earlier than that process (the session's leader: its processes are younger)."""
+    try:
+        earliest = since.create_time() if since is not None else 0.0
+    except psutil.Error:
+        return []  # the leader's start is unknown: nothing can be told apart as its own
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == session:
+                proc = psutil.Process(pid)
+                if proc.create_time() >= earliest and alive(proc):
+                    members.append(proc)
+        except (OSError, psutil.Error):
+            continue  # gone meanwhile
+    return members
 
 
 def reap(procs: Iterable[psutil.Process], grace_s: float = REAP_GRACE_S) -> list[int]:

@@ -189,7 +189,8 @@ class HostClient:
             # makes sure nothing the host started survives.
             self._note_descendants()
             if self._root is not None:
-                procs.kill_tree(self._root, also=self._descendants)
+                # The host leads a session of its own (``procs.spawn``).
+                procs.kill_tree(self._root, also=self._descendants, session=self._root.pid)
             else:
                 procs.wait_gone(procs.kill(self._descendants))
             if self._reader is not None:

@@ -26,6 +26,16 @@ PARENT = [sys.executable, "-c",
           "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
           "print(c.pid, flush=True); time.sleep(60)"]
 
+#: A sleeper whose child starts a sleeper of its own and exits: that grandchild is reparented
+#: away (to init), out of the tree but still in the sleeper's session. Prints its pid.
+ORPHANER = [sys.executable, "-c",
+            "import subprocess, sys, time; "
+            "middle = subprocess.Popen([sys.executable, '-c', 'import subprocess, sys; "
+            "p = subprocess.Popen([sys.executable, \\'-c\\', \\'import time; time.sleep(60)\\']); "
+            "print(p.pid, flush=True)'], stdout=subprocess.PIPE, text=True); "
+            "orphan = middle.stdout.readline(); middle.wait(); "
+            "print(orphan, end='', flush=True); time.sleep(60)"]
+
 
 @pytest.fixture
 def started():
@@ -88,6 +98,36 @@ def test_kill_tree_also_kills_processes_seen_below_it_before(started):
     root, seen = procs.identify(root_child.pid), procs.identify(other.pid)
     assert procs.kill_tree(root, also={seen}) == []
     assert root_child.poll() is not None and other.poll() is not None
+
+
+def _orphan_of(started) -> tuple[psutil.Process, psutil.Process]:
+    parent = started(ORPHANER, stdout=subprocess.PIPE, text=True)
+    orphan = procs.identify(int(parent.stdout.readline()))
+    root = procs.identify(parent.pid)
+    assert root is not None and orphan is not None
+    assert orphan not in procs.descendants(root)  # reparented away: not below the tree
+    assert os.getsid(orphan.pid) == parent.pid  # but in its session
+    return root, orphan
+
+
+def test_kill_tree_kills_what_left_the_tree_but_stayed_in_its_session(started):
+    """A process forked while the tree is killed (an engine starting its workers when Ctrl-C
+    comes) escapes the tree, not the session that ``spawn`` gave its root."""
+    root, orphan = _orphan_of(started)
+    assert procs.kill_tree(root) == []
+    assert not procs.alive(orphan)
+
+
+def test_without_the_session_sweep_such_a_process_survives(started, monkeypatch):
+    """The crippled variant: looking only below the root leaves the orphan running."""
+    root, orphan = _orphan_of(started)
+    monkeypatch.setattr(procs, "SESSION_SWEEPS", 0)
+    try:
+        assert procs.kill_tree(root) == []
+        time.sleep(0.2)
+        assert procs.alive(orphan)
+    finally:
+        orphan.kill()
 
 
 def test_reap_terminates_and_kills_only_what_ignores_the_terminate(started):
