@@ -41,7 +41,8 @@ from ftkit.contracts.plan import FaultPlan
 from ftkit.errors import EngineError, RunTimeout
 from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
-from ftkit.vllm.environment import ExecuteTimeout, engine_args, engine_environment
+from ftkit.vllm.environment import (ExecuteTimeout, engine_args, engine_environment,
+                                    hold_engine_env)
 from ftkit.vllm.workload import GenerateResult, Workload
 
 log = logging.getLogger("ftkit")
@@ -92,6 +93,9 @@ class EngineSession:
         self._use_watchdog = watchdog
         #: The current engine's watchdog (see the module docstring).
         self._watchdog: procs.Watchdog | None = None
+        #: Puts back the environment an in-process engine keeps while it lives
+        #: (``hold_engine_env``).
+        self._release_env: Callable[[], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -122,6 +126,8 @@ class EngineSession:
             if not isinstance(exc, Exception):
                 raise
             raise EngineError(f"vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
+        if not self.multiprocess:
+            self._release_env = hold_engine_env()
         look()
         # A process that came and went during the start (a helper vLLM or torch ran) is not
         # one of the engine's: a death watch would take its end for the engine's death.
@@ -176,6 +182,9 @@ class EngineSession:
         """The engine's processes are gone: remove what they left, then end the watchdog
         (last: it cleans up if this process dies before)."""
         self._procs, self._dying = [], []
+        release, self._release_env = self._release_env, None
+        if release is not None:
+            release()
         procs.remove_files(self.leftovers)
         self.leftovers = set()
         watchdog, self._watchdog = self._watchdog, None

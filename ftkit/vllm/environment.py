@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -121,6 +121,30 @@ def warn_short_execute_timeout(recovery: RecoveryConfig, world_size: int) -> Non
         log.warning("ftkit: %s: set %s=%d in the environment of vllm serve, or lower "
                     "fault_tolerance.max_reinference, op_timeout_s or round_timeout_s",
                     timeout.describe(), VLLM_EXECUTE_TIMEOUT_ENV, timeout.seconds)
+
+
+def hold_engine_env() -> Callable[[], None]:
+    """Keep ``ENGINE_ENV``'s values in this process's environment while an in-process engine
+    lives; returns what puts the environment back (call it once the engine is shut down).
+
+    An in-process engine reads some of them at every step, from the environment
+    (``VLLM_CPU_ATTN_SPLIT_KV`` in vLLM's CPU attention): ``engine_environment`` restores the
+    environment once an engine has started, and vLLM caches it at an in-process engine's start
+    only until the next engine's ``engine_environment`` clears that cache (which a new engine
+    needs). Without this, an engine started beside an in-process one, even a multi-process
+    one, would turn the division of decode rows back on in the in-process engine from then on,
+    and its logprobs would drift in the last bits after any recovery."""
+    values = effective_engine_env()
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+
+    def restore() -> None:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return restore
 
 
 @contextmanager

@@ -124,6 +124,8 @@ class FaultRun:
     kv: list[KvRecomputed]
     #: Weights reloaded from the checkpoint.
     reloaded: list[ParamsReloaded]
+    #: The sampled token's logprob at each position of each request.
+    logprobs: list[list[float]]
 
 
 def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[FaultSpec],
@@ -148,6 +150,7 @@ def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[
         recovered=only(events, StepRecovered),
         kv=only(events, KvRecomputed),
         reloaded=only(events, ParamsReloaded),
+        logprobs=[list(r.logprobs) for r in out.requests],
     )
 
 

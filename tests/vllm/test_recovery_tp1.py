@@ -18,10 +18,16 @@ import pytest
 from ftkit.contracts.requests import parse_request_id
 from ftkit.scenario import EngineSpec
 from ftkit.vllm.engine import EngineSession
+from ftkit.vllm.environment import engine_environment
 
-from conftest import GREEDY, LONG, PROMPTS, SEEDED, fault, new_block_token, recovery_config, run_with_faults
+from conftest import (GREEDY, LONG, PROMPTS, SEEDED, FaultRun, fault, new_block_token,
+                      recovery_config, run_with_faults)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+#: The first token of ``LONG`` whose two best logprobs are close enough (5e-4) for engines to
+#: part there (``long_reference``).
+NEAR_TIE = 83
 
 
 @pytest.mark.parametrize(
@@ -75,18 +81,54 @@ def test_without_rollback_a_new_block_step_corrupts_tokens(tiny_model, baseline,
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    assert result["error"] is not None or result["tokens"] != baseline.tokens["long"], \
+    # Before the near tie at token 83 (``long_reference``), where engines may part for
+    # reasons of their own.
+    clear = [t[:NEAR_TIE] for t in baseline.tokens["long"]]
+    assert result["error"] is not None or [t[:NEAR_TIE] for t in result["tokens"]] != clear, \
         "a naive re-run was expected to go wrong"
     if result["error"] is None:
         # The damage is silent and late: the tokens up to the faulty step still match.
         assert result["tokens"][0][:token] == baseline.tokens["long"][0][:token]
 
 
-def test_with_rollback_the_same_fault_is_exact(tp1_engine, baseline):
+@pytest.fixture(scope="module")
+def long_reference(tp1_engine) -> FaultRun:
+    """The ``LONG`` workload's fault-free run on the engine under test: what a recovered
+    ``LONG`` run must reproduce bit for bit, tokens and logprobs.
+
+    ``LONG`` ends past a near tie (request 0, token 83: two logprobs 5e-4 apart). On one CI
+    machine the suite's plain in-process baseline engine chose the other token there, while
+    every recovered run agreed with this machine's fault-free runs; the scenario runner's
+    engines (a process each, logprobs compared bit for bit) agreed with each other on the same
+    machine. So the recovery is judged against a fault-free run of the same engine, and that
+    the ftkit engine computes what a plain engine does is a claim of its own
+    (``test_no_fault_run_with_recovery_on_is_identical``, and every scenario run)."""
+    run = run_with_faults(tp1_engine, LONG, [])
+    assert run.error is None and not run.fired and not run.rounds
+    return run
+
+
+def test_with_rollback_the_same_fault_is_exact(tp1_engine, baseline, long_reference):
     token = new_block_token(baseline.prompt_lens[0])
     run = run_with_faults(tp1_engine, LONG, [fault("oom", 0, 0, token, "forward")])
     assert run.error is None and len(run.fired) == 1
-    assert run.tokens == baseline.tokens["long"]
+    assert run.tokens == long_reference.tokens
+    assert run.logprobs == long_reference.logprobs
+
+
+def test_an_engine_starting_beside_it_leaves_a_recovery_exact(tp1_engine, baseline,
+                                                              long_reference):
+    """Another engine's start (its environment comes and goes; a multi-process one may live on
+    beside this engine) leaves this in-process engine's settings alone: a recovered run is
+    still bit for bit its fault-free run (``hold_engine_env``; before it, logprobs drifted)."""
+    with engine_environment(2, True):
+        pass
+    token = new_block_token(baseline.prompt_lens[0])
+    run = run_with_faults(tp1_engine, LONG, [fault("oom", 0, 0, token, "forward"),
+                                             fault("oom", 0, 1, 30, "sample")])
+    assert run.error is None and len(run.fired) == 2
+    assert run.tokens == long_reference.tokens
+    assert run.logprobs == long_reference.logprobs
 
 
 def test_flap_up_to_max_reinference_recovers(tp1_engine, baseline):
@@ -116,7 +158,7 @@ def test_no_fault_run_with_recovery_on_is_identical(tp1_engine, baseline):
     assert run.tokens == baseline.tokens["greedy"]
 
 
-def test_the_rollback_record_rests_on_vllm_invariants(tp1_engine, baseline):
+def test_the_rollback_record_rests_on_vllm_invariants(tp1_engine, baseline, long_reference):
     """``V1RunnerState`` records no output-token counts: it derives them at rollback from the
     scheduler output. This rests on vLLM's behaviour, checked here on every real step of
     staggered greedy, seeded and block-crossing runs: ``execute_model`` never changes a
@@ -183,7 +225,8 @@ def test_the_rollback_record_rests_on_vllm_invariants(tp1_engine, baseline):
         run = run_with_faults(tp1_engine, LONG, [fault("oom", 0, 0, token, "forward"),
                                                  fault("oom", 0, 1, 30, "sample")])
         assert run.error is None and len(run.fired) == 2
-        assert run.tokens == baseline.tokens["long"]
+        assert run.tokens == long_reference.tokens
+        assert run.logprobs == long_reference.logprobs
         # The "new_block" token of the tests above is the first step that gives request 0
         # a second block (vLLM's scheduler says so, not ftkit's arithmetic).
         run_id = run.fired[0].run_id
