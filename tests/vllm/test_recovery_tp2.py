@@ -123,12 +123,17 @@ def test_seeded_sampling_survives_a_link_break(tp2_engine, baseline):
     assert run.tokens == baseline.tokens["seeded"]
 
 
+#: Request 3 arrives after the engine has run three steps of the workload: it finishes alone,
+#: in the workload's last step. (Submitted at once, the requests reach a multi-process engine
+#: core at its pace: some may be admitted a step later than others, and a request's last token
+#: is then not the workload's last step.)
+LAST_ALONE = [0, 0, 0, 3]
+
+
 def _last_step_sample_fault(baseline) -> tuple[int, int]:
-    """(request, token) of the workload's last token: the step after which the engine has
-    every output."""
-    lengths = [len(t) for t in baseline.tokens["greedy"]]
-    request = max(range(len(lengths)), key=lengths.__getitem__)
-    return request, lengths[request] - 1
+    """(request, token) of the workload's last token when requests arrive as ``LAST_ALONE``
+    says: the step after which the engine has every output."""
+    return 3, len(baseline.tokens["greedy"][3]) - 1
 
 
 def test_sampling_fault_on_rank_1_in_the_last_step_is_recovered_within_the_run(
@@ -140,7 +145,8 @@ def test_sampling_fault_on_rank_1_in_the_last_step_is_recovered_within_the_run(
     has settled."""
     request, token = _last_step_sample_fault(baseline)
     run = run_with_faults(tp2_engine, GREEDY,
-                          [fault("device_reset", 1, request, token, "sample", times=2)])
+                          [fault("device_reset", 1, request, token, "sample", times=2)],
+                          submit_after_steps=LAST_ALONE)
     assert run.error is None
     assert [(e.rank, e.attempt) for e in run.fired] == [(1, 1), (1, 2)]
     fired_step = run.fired[0].step
@@ -160,7 +166,8 @@ def test_without_settling_the_last_step_round_is_missing_from_the_run(
     with monkeypatch.context() as patched:
         patched.setattr(tp2_engine, "_settle", lambda deadline: None)
         run = run_with_faults(tp2_engine, GREEDY,
-                              [fault("hang", 1, request, token, "sample", op_timeout_s=2.0)])
+                              [fault("hang", 1, request, token, "sample", op_timeout_s=2.0)],
+                              submit_after_steps=LAST_ALONE)
     # Rank 1 is still recovering: let it finish before the next test's workload.
     tp2_engine._settle(None)
     assert run.error is None
