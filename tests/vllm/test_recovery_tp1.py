@@ -123,12 +123,19 @@ def test_an_engine_starting_beside_it_leaves_a_recovery_exact(tp1_engine, baseli
     still bit for bit its fault-free run (``hold_engine_env``; before it, logprobs drifted)."""
     with engine_environment(2, True):
         pass
+    assert_rollback_of_each_rpc_is_exact(tp1_engine, baseline, long_reference)
+
+
+def assert_rollback_of_each_rpc_is_exact(engine, baseline, reference: FaultRun) -> FaultRun:
+    """A ``LONG`` run through a rollback of each RPC (a new block step, a seeded re-sample)
+    is its fault-free run, tokens and logprobs; returns it."""
     token = new_block_token(baseline.prompt_lens[0])
-    run = run_with_faults(tp1_engine, LONG, [fault("oom", 0, 0, token, "forward"),
-                                             fault("oom", 0, 1, 30, "sample")])
+    run = run_with_faults(engine, LONG, [fault("oom", 0, 0, token, "forward"),
+                                         fault("oom", 0, 1, 30, "sample")])
     assert run.error is None and len(run.fired) == 2
-    assert run.tokens == long_reference.tokens
-    assert run.logprobs == long_reference.logprobs
+    assert run.tokens == reference.tokens
+    assert run.logprobs == reference.logprobs
+    return run
 
 
 def test_flap_up_to_max_reinference_recovers(tp1_engine, baseline):
@@ -221,12 +228,8 @@ def test_the_rollback_record_rests_on_vllm_invariants(tp1_engine, baseline, long
             run = run_with_faults(tp1_engine, sampling, [], submit_after_steps=[0, 0, 3, 9])
             assert run.error is None
         # And through a rollback of each RPC (a new block step, a seeded re-sample).
+        run = assert_rollback_of_each_rpc_is_exact(tp1_engine, baseline, long_reference)
         token = new_block_token(baseline.prompt_lens[0])
-        run = run_with_faults(tp1_engine, LONG, [fault("oom", 0, 0, token, "forward"),
-                                                 fault("oom", 0, 1, 30, "sample")])
-        assert run.error is None and len(run.fired) == 2
-        assert run.tokens == long_reference.tokens
-        assert run.logprobs == long_reference.logprobs
         # The "new_block" token of the tests above is the first step that gives request 0
         # a second block (vLLM's scheduler says so, not ftkit's arithmetic).
         run_id = run.fired[0].run_id
