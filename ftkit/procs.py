@@ -190,12 +190,11 @@ def _session_of(proc: psutil.Process) -> int | None:
         return None
 
 
-def session_members(session: int, since: psutil.Process | None = None
-                    ) -> list[psutil.Process]:
-    """The live processes in session ``session`` now; ``since``: only those started no
-    earlier than that process (the session's leader: its processes are younger)."""
+def session_members(session: int, since: psutil.Process) -> list[psutil.Process]:
+    """The live processes in session ``session`` now that started no earlier than ``since``
+    (the session's leader: its processes are younger)."""
     try:
-        earliest = since.create_time() if since is not None else 0.0
+        earliest = since.create_time()
     except psutil.Error:
         return []  # the leader's start is unknown: nothing can be told apart as its own
     members = []

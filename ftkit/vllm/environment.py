@@ -137,14 +137,16 @@ def hold_engine_env() -> Callable[[], None]:
     values = effective_engine_env()
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
+    return lambda: _restore_environ(saved)
 
-    def restore() -> None:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return restore
+
+def _restore_environ(saved: Mapping[str, str | None]) -> None:
+    """Put the variables of ``saved`` back as they were (``None``: not set)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @contextmanager
@@ -198,11 +200,7 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
     finally:
         tempfile.tempdir = saved_tempdir
         me.cpu_affinity(affinity)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _restore_environ(saved)
 
 
 def _inductor_cache_dir() -> str:

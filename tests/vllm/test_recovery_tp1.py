@@ -97,11 +97,12 @@ def long_reference(tp1_engine) -> FaultRun:
     ``LONG`` run must reproduce bit for bit, tokens and logprobs.
 
     ``LONG`` ends past a near tie (request 0, token 83: two logprobs 5e-4 apart). On one CI
-    machine the suite's plain in-process baseline engine chose the other token there, while
-    every recovered run agreed with this machine's fault-free runs; the scenario runner's
-    engines (a process each, logprobs compared bit for bit) agreed with each other on the same
-    machine. So the recovery is judged against a fault-free run of the same engine, and that
-    the ftkit engine computes what a plain engine does is a claim of its own
+    machine a recovered run of this engine chose the other token there than the suite's plain
+    baseline engine, most likely through the last-bit drift ``hold_engine_env`` now prevents
+    (this engine lived on beside later engines); the scenario runner's engines (a process
+    each, logprobs compared bit for bit) agreed with each other on the same machine. The
+    recovery is judged against a fault-free run of the same engine; that the ftkit engine
+    computes what a plain engine does is a claim of its own
     (``test_no_fault_run_with_recovery_on_is_identical``, and every scenario run)."""
     run = run_with_faults(tp1_engine, LONG, [])
     assert run.error is None and not run.fired and not run.rounds

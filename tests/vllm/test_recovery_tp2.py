@@ -172,6 +172,7 @@ def test_without_settling_the_last_step_round_is_missing_from_the_run(
     tp2_engine._settle(None)
     assert run.error is None
     assert run.tokens == baseline.tokens["greedy"]  # rank 0's output: the tokens look right
+    assert [e.rank for e in run.fired][:1] == [1]
     assert not [r for r in run.rounds if r.rank == 1 and r.state == "failed"]
     # The round did happen, after the run had ended.
     late = [e for e in only(read_events(tp2_engine.recovery.event_log_dir), RecoveryRound)
