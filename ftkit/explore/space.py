@@ -202,9 +202,8 @@ def scenarios(draw: st.DrawFn, space: ExploreSpace) -> dict[str, Any]:
     n_requests = draw(st.integers(1, MAX_REQUESTS))
     max_tokens = draw(st.integers(MIN_TOKENS, MAX_TOKENS))
 
-    # The faults first: a killed process decides which features the workload may have (a
-    # resumed request cannot have them all yet), and a fault's position is drawn before the
-    # prompts, so that shrinking the workload does not move every choice of the faults.
+    # The faults first: a fault's position is drawn before the prompts, so that shrinking the
+    # workload does not move every choice of the faults.
     faults = [_fault(draw, space, tp, n_requests, max_tokens)]
     if has["compound"]:
         for _ in range(draw(st.integers(1, 2))):
@@ -215,7 +214,7 @@ def scenarios(draw: st.DrawFn, space: ExploreSpace) -> dict[str, Any]:
     if len(kills) > 1:  # one engine restart per run is enough to search; more cost time
         faults = [f for f in faults if f not in kills[1:]]
 
-    workload = _workload(draw, has, n_requests, max_tokens, resumable=not kills)
+    workload = _workload(draw, has, n_requests, max_tokens)
     for fault in faults:
         request = workload["requests"][fault["at"]["request"]]
         length = request["sampling"].get("max_tokens", max_tokens)
@@ -313,8 +312,8 @@ def _fault(draw: st.DrawFn, space: ExploreSpace, tp: int, n_requests: int, max_t
     return fault
 
 
-def _workload(draw: st.DrawFn, has: dict[str, bool], n_requests: int, max_tokens: int,
-              *, resumable: bool) -> dict[str, Any]:
+def _workload(draw: st.DrawFn, has: dict[str, bool], n_requests: int,
+              max_tokens: int) -> dict[str, Any]:
     prompt_seed = draw(st.integers(0, 2**16))
     prefix = _prompt(PREFIX_WORDS, prompt_seed ^ 0x5EED) + " " if has["prefix"] else ""
     requests = []
@@ -333,13 +332,12 @@ def _workload(draw: st.DrawFn, has: dict[str, bool], n_requests: int, max_tokens
             sampling["top_k"] = draw(st.integers(5, 50))
         if draw(st.booleans()):
             sampling["min_p"] = draw(st.sampled_from([0.05, 0.1]))
-    if has["n"] and resumable:
+    if has["n"]:
         sampling["n"] = 2
     if has["penalties"]:
         sampling["repetition_penalty"] = draw(st.sampled_from([1.3, 1.1, 0.9]))
-        if resumable:
-            sampling["frequency_penalty"] = draw(st.sampled_from([0.0, 0.5, -0.5]))
-            sampling["presence_penalty"] = draw(st.sampled_from([0.0, 0.5, 1.0]))
+        sampling["frequency_penalty"] = draw(st.sampled_from([0.0, 0.5, -0.5]))
+        sampling["presence_penalty"] = draw(st.sampled_from([0.0, 0.5, 1.0]))
     if has["logit_bias"]:
         tokens = draw(st.lists(st.integers(0, TOKEN_ID_LIMIT), min_size=1, max_size=3,
                                unique=True))

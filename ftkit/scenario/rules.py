@@ -12,9 +12,7 @@ its ``params`` fit its kind (``ftkit.scenario.params``), and its kind's own rule
 (``KindSpec.rules`` in ``ftkit.kinds``: a link fault has a peer, a flap repeats, a process is
 killed once, a KV UCE hits a request that holds KV, ...); an expected recovery is possible
 (recovery enabled and ``times <= max_reinference``); expected identical tokens can be
-reproduced (every randomly sampled request has a seed); a killed process's requests can be
-resumed exactly (none uses a feature of ``_NOT_RESUMABLE``: ``n > 1``, frequency or presence
-penalties, bad words); and, with recovery on, ``engine.args`` turn on nothing that
+reproduced (every randomly sampled request has a seed); and, with recovery on, ``engine.args`` turn on nothing that
 ftkit cannot recover (pipeline, data or expert parallelism, speculative decoding,
 asynchronous scheduling).
 """
@@ -49,7 +47,6 @@ def problems(scenario: Scenario) -> list[Problem]:
     found += _expectation_problems(scenario)
     if workload_sound:
         found += _reproducibility_problems(scenario)
-        found += _resume_problems(scenario)
     found += _engine_problems(scenario)
     found += _bounds_problems(scenario)
     return found
@@ -235,50 +232,6 @@ def _reproducibility_problems(scenario: Scenario) -> list[Problem]:
                        f"tokens 'prefix'")
         if problem not in found:
             found.append(problem)
-    return found
-
-
-#: Request features a resumed request does not continue exactly yet: the field, whether a
-#: value uses it, and why. After a process dies, each unfinished request is resumed on a new
-#: engine with its tokens so far appended to its prompt (``ftkit.vllm.resume``), and vLLM
-#: then counts those tokens as prompt, not output.
-_NOT_RESUMABLE: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("n", lambda v: (v or 1) > 1, "the runner cannot resume a request's several samples"),
-    ("frequency_penalty", lambda v: bool(v),
-     "vLLM counts it over output tokens only, and the resumed request's earlier tokens are "
-     "prompt tokens"),
-    ("presence_penalty", lambda v: bool(v),
-     "vLLM counts it over output tokens only, and the resumed request's earlier tokens are "
-     "prompt tokens"),
-    ("bad_words", lambda v: bool(v),
-     "vLLM matches a bad word's earlier tokens against output tokens only"),
-)
-
-
-def _resume_problems(scenario: Scenario) -> list[Problem]:
-    """A fault that ends a process, in a workload whose requests cannot all be resumed
-    exactly (``_NOT_RESUMABLE``): refused while recovery is on, naming the request's field."""
-    if not scenario.recovery.enabled:
-        return []
-    killers = [(at, fault) for at, fault in enumerate(scenario.faults)
-               if kind_spec(fault.kind).ends_process]
-    if not killers:
-        return []
-    spec = scenario.sampling_spec()
-    found: list[Problem] = []
-    for name, uses, why in _NOT_RESUMABLE:
-        index = next((i for i in range(scenario.workload.prompt_count())
-                      if uses(spec.for_request(i).get(name))), None)
-        if index is None:
-            continue
-        field = format_loc(_where_set(scenario.workload, index, name))
-        value = spec.for_request(index).get(name)
-        found += [(("faults", at, "kind"),
-                   f"{fault.kind} ends a process, after which the unfinished requests are "
-                   f"resumed on a new engine, and a resumed request with {name} "
-                   f"{value!r} does not continue exactly yet ({why}): request {index} sets it "
-                   f"({field}); remove it, or set recovery.enabled false")
-                  for at, fault in killers]
     return found
 
 

@@ -20,6 +20,13 @@ sampler's draws for ``offset`` tokens before it samples the request's first resu
 (``fast_forward``). Replaying the sampler itself, rather than a copy of its arithmetic, keeps
 this right for whichever sampling path the platform uses.
 
+Frequency and presence penalties count a token only among a request's output tokens, and a
+multi-token bad word is matched against its output tokens: a resumed request's earlier tokens
+are prompt tokens on the new engine, so vLLM would miss them. ftkit's engines show the sampler
+each resumed row's output as the lost engine had it, its earlier tokens (the end of its prompt)
+followed by the new ones (``show_earlier_outputs``). The repetition penalty counts prompt and
+output tokens alike, so the view changes nothing for it.
+
 A resumed prompt is longer than the original one, and may no longer fit the step's token
 budget: its prefill is then chunked, and vLLM samples a token for each partial chunk too, to
 discard it. For a seeded request vLLM then rewinds the request's generator by its offset,
@@ -32,12 +39,17 @@ for the tokens it keeps, which is what rewinding achieves on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ftkit.contracts.requests import parse_request_id
+
+log = logging.getLogger("ftkit")
 
 
 def fast_forward(runner: Any, done: dict[str, Any]) -> list[str]:
@@ -60,6 +72,51 @@ def fast_forward(runner: Any, done: dict[str, Any]) -> list[str]:
         done[req_id] = gen
         advanced.append(req_id)
     return advanced
+
+
+def show_earlier_outputs(runner: Any) -> None:
+    """Make ``runner``'s sampler see, for every resumed row, the output tokens the lost engine
+    had produced before its own: vLLM's penalties and bad words then act as on a request that
+    was never resumed. Rows of requests never resumed, and steps with neither penalties nor
+    bad words, are left as vLLM has them."""
+    sampler = getattr(runner, "sampler", None)
+    inner = getattr(sampler, "apply_logits_processors", None)
+    if inner is None:
+        log.warning("ftkit: this runner's sampler has no apply_logits_processors; a request "
+                    "resumed after an engine death is penalised for its new tokens only")
+        return
+
+    def apply_logits_processors(logits: Any, sampling_metadata: Any, *args: Any,
+                                **kwargs: Any) -> Any:
+        if not sampling_metadata.no_penalties or sampling_metadata.bad_words_token_ids:
+            outputs = earlier_outputs(runner, sampling_metadata.output_token_ids)
+            if outputs is not None:
+                sampling_metadata = dataclasses.replace(sampling_metadata,
+                                                        output_token_ids=outputs)
+        return inner(logits, sampling_metadata, *args, **kwargs)
+
+    sampler.apply_logits_processors = apply_logits_processors
+
+
+def earlier_outputs(runner: Any, outputs: list[list[int]]) -> list[list[int]] | None:
+    """``outputs`` (each batch row's output tokens) with each resumed row's earlier tokens in
+    front; ``None`` when the batch has no resumed row."""
+    view = None
+    for row, req_id in enumerate(runner.input_batch.req_ids):
+        offset = _resumed_offset(req_id)
+        request = runner.requests.get(req_id) if offset else None
+        if request is None or row >= len(outputs):
+            continue
+        if view is None:
+            view = list(outputs)
+        view[row] = list(request.prompt_token_ids[-offset:]) + list(outputs[row])
+    return view
+
+
+@functools.lru_cache(maxsize=4096)
+def _resumed_offset(req_id: str) -> int:
+    ref = parse_request_id(req_id)
+    return ref.offset if ref is not None else 0
 
 
 def park_discarded_generators(runner: Any) -> dict[int, Any] | None:

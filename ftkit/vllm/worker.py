@@ -32,7 +32,7 @@ from ftkit.recovery import (
 from ftkit.vllm.kv_recompute import RecomputeReport
 from ftkit.vllm.memory import RunnerMemory
 from ftkit.vllm.plugin import STEP_METHODS, bind_step_method
-from ftkit.vllm.resume import parking_discarded_generators
+from ftkit.vllm.resume import parking_discarded_generators, show_earlier_outputs
 from ftkit.vllm.runner_state import V1RunnerState
 
 log = logging.getLogger("ftkit")
@@ -146,6 +146,7 @@ class FtkitWorker:
         self.backend = make_backend(self.rank, store.clone() if store is not None else None)
         self.backend.set_op_timeout(self.config.op_timeout_s)  # None: the default bound
         memory = RunnerMemory(runner, getattr(self.vllm_config.model_config, "model", None))
+        show_earlier_outputs(runner)  # penalties and bad words of resumed requests
         state = V1RunnerState(runner, rng=self.backend, on_kv_recomputed=self._record_kv)
         if world > 1:
             from ftkit.vllm.comms import vllm_groups

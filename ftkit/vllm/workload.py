@@ -61,15 +61,21 @@ class Workload:
         self.total = sum(int(kw["max_tokens"]) * int(kw.get("n") or 1)
                          for kw in self.request_params)
 
-    def params(self, index: int, produced: int = 0) -> Any:
+    def params(self, index: int, produced: int = 0, sample: int | None = None) -> Any:
         """vLLM's ``SamplingParams`` of request ``index``; for a request resumed after
         ``produced`` output tokens, the budgets that count output tokens (``max_tokens``,
         ``min_tokens``) count what is left, no prompt logprobs are asked for, and its stop
-        strings are left to its ``_Shadow``. The sampled tokens' logprobs are always asked for:
-        the oracle compares them."""
+        strings are left to its ``_Shadow``. With ``sample``, those of that one completion
+        alone, as vLLM gives each completion of a request with ``n > 1`` (its seed, if any,
+        plus ``sample``). The sampled tokens' logprobs are always asked for: the oracle
+        compares them."""
         from vllm import SamplingParams
 
         kwargs = dict(self.request_params[index])
+        if sample is not None:
+            kwargs["n"] = 1
+            if kwargs.get("seed") is not None:
+                kwargs["seed"] = int(kwargs["seed"]) + sample
         if produced:
             kwargs["max_tokens"] = int(kwargs["max_tokens"]) - produced
             if kwargs.get("min_tokens"):
@@ -99,7 +105,8 @@ class Workload:
             self.prompt_token_ids.setdefault(ref.index, list(out.prompt_token_ids))
         finished = bool(out.finished)
         for completion in out.outputs:
-            req = self._by_key[(ref.index, completion.index)]
+            # (A resumed completion of a request with n > 1 is a request of its own.)
+            req = self._by_key[(ref.index, ref.sample + completion.index)]
             if ref.offset == 0 and req.prompt_logprobs is None \
                     and getattr(out, "prompt_logprobs", None) is not None:
                 req.prompt_logprobs = [None if p is None else _position(p)
@@ -129,8 +136,14 @@ class Workload:
                 req.finish_reason = finish_reason
                 req.stop_reason = stop_reason
                 req.text = text
-        if finished:
+        samples = self.samples(ref.index)
+        if finished and (len(samples) == 1 or all(o.finish_reason is not None
+                                                  for o in samples)):
             self.finished.add(ref.index)
+
+    def samples(self, index: int) -> list[RequestOutput]:
+        """The completions of request ``index`` (``n`` of them)."""
+        return [o for o in self.outputs if o.index == index]
 
     def _take_logprobs(self, req: RequestOutput, logprobs: Any, start: int, count: int) -> None:
         if logprobs is None or count == 0:
@@ -148,36 +161,48 @@ class Workload:
 
     def resume(self, engine: Any) -> list[int]:
         """Submit every started, unfinished request again from where it stopped; return
-        their indices."""
-        from vllm.inputs import TokensPrompt
-
+        their indices. Each unfinished completion of a request with ``n > 1`` goes on as a
+        request of its own, as vLLM runs each completion (``<sample>_<id>``)."""
         resumed = []
         waiting = set(self.waiting)
         for i in range(len(self.prompts)):
             if i in self.finished or i in waiting:
                 continue
-            if len([o for o in self.outputs if o.index == i]) > 1:
-                from ftkit.errors import EngineError
-
-                raise EngineError(f"ftkit cannot resume request {i}: it samples n > 1 "
-                                  "completions, which a resumed request does not continue yet")
-            req = self._by_key[(i, 0)]
-            produced = len(req.token_ids)
-            left = int(self.request_params[i]["max_tokens"]) - produced
-            if left <= 0:
-                self.finished.add(i)
-                continue
-            prompt_ids = self.prompt_token_ids.get(i)
-            if produced == 0 or prompt_ids is None:
+            samples = self.samples(i)
+            if all(not o.token_ids for o in samples) or i not in self.prompt_token_ids:
+                # Nothing produced yet: the request starts again as it was.
                 engine.add_request(request_id(self.run_id, i), self.prompts[i], self.params(i))
+                resumed.append(i)
+                continue
+            going_on = False
+            for req in samples:
+                if req.finish_reason is None:
+                    going_on |= self._resume_sample(engine, req, len(samples) > 1)
+            if going_on:
+                resumed.append(i)
             else:
-                self._shadows[req.key] = _Shadow(engine.get_tokenizer(), prompt_ids,
-                                                 self.params(i), req.token_ids)
-                prompt = TokensPrompt(prompt_token_ids=prompt_ids + req.token_ids)
-                engine.add_request(request_id(self.run_id, i, offset=produced), prompt,
-                                   self.params(i, produced))
-            resumed.append(i)
+                self.finished.add(i)
         return resumed
+
+    def _resume_sample(self, engine: Any, req: RequestOutput, several: bool) -> bool:
+        """Submit completion ``req`` again from its tokens so far; ``False`` if it had none
+        left to produce."""
+        from vllm.inputs import TokensPrompt
+
+        i, produced = req.index, len(req.token_ids)
+        if int(self.request_params[i]["max_tokens"]) - produced <= 0:
+            return False
+        sample = req.sample if several else None
+        rid = request_id(self.run_id, i, offset=produced)
+        if sample is not None:
+            rid = f"{sample}_{rid}"  # vLLM's id of one completion (``ParentRequest``)
+        prompt_ids = self.prompt_token_ids[i]
+        if produced:
+            self._shadows[req.key] = _Shadow(engine.get_tokenizer(), prompt_ids,
+                                             self.params(i, sample=sample), req.token_ids)
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids + req.token_ids),
+                           self.params(i, produced, sample))
+        return True
 
 
 class _Shadow:

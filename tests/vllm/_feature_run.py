@@ -19,6 +19,7 @@ prefix cache when it was first scheduled, and the steps that prefilled several r
 
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +60,6 @@ def _batch_in_scheduler_order() -> Callable[[], None]:
                   lambda runner, req_ids: kv_recompute.empty_batch(runner.input_batch))
 
 
-#: A repair switched off: name -> patch (returns its undo).
 def _resumed_text_from_the_new_engine() -> Callable[[], None]:
     """A resumed request's stop strings and text are the new engine's alone, as before the
     front end fed its original request's detokenizer the whole stream (``_Shadow``)."""
@@ -77,11 +77,58 @@ def _resumed_text_from_the_new_engine() -> Callable[[], None]:
     return lambda: (undo_params(), undo_shadow())
 
 
+#: Loaded by every process the engine starts (``sitecustomize``): the sampler of a resumed
+#: request sees only the output tokens of the new engine.
+_NO_EARLIER_OUTPUTS = """\
+from ftkit.vllm import worker
+worker.show_earlier_outputs = lambda runner: None
+"""
+
+
+def _without_earlier_outputs() -> Callable[[], None]:
+    """Penalties and bad words of a resumed request count only what it produced after the
+    resume, as before ftkit showed the sampler its earlier tokens (``show_earlier_outputs``).
+    The patch must reach the engine core's process: it is also loaded there."""
+    import tempfile
+
+    from ftkit.vllm import worker
+
+    patch_dir = tempfile.mkdtemp(prefix="ftkit-cripple-")
+    Path(patch_dir, "sitecustomize.py").write_text(_NO_EARLIER_OUTPUTS)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = patch_dir + (os.pathsep + saved if saved else "")
+    undo = _patch(worker, "show_earlier_outputs", lambda runner: None)
+
+    def undo_all() -> None:
+        undo()
+        shutil.rmtree(patch_dir, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+    return undo_all
+
+
+def _one_seed_for_every_sample() -> Callable[[], None]:
+    """A resumed completion of a request with ``n > 1`` keeps the request's own seed, not the
+    seed vLLM gives that completion (the request's seed plus its sample index)."""
+    params = workload.Workload.params
+
+    def same_seed(self, index, produced=0, sample=None):
+        return params(self, index, produced, None if sample is None else 0)
+
+    return _patch(workload.Workload, "params", same_seed)
+
+
+#: A repair switched off: name -> patch (returns its undo).
 CRIPPLES: dict[str, Callable[[], Callable[[], None]]] = {
     "kv": lambda: _patch(KvRecompute, "run", lambda self, scheduler_output, call: None),
     "prefix": _no_prefix_hits,
     "layout": _batch_in_scheduler_order,
     "shadow": _resumed_text_from_the_new_engine,
+    "earlier_outputs": _without_earlier_outputs,
+    "child_seed": _one_seed_for_every_sample,
 }
 
 

@@ -81,3 +81,101 @@ def test_without_the_original_detokenizer_the_stop_is_missed_and_the_text_is_wro
     assert crippled["outputs"][0]["tokens"] == baseline["outputs"][0]["tokens"]
     assert baseline["outputs"][0]["text"].endswith(crippled["outputs"][0]["text"])
     assert crippled["outputs"][0]["text"] != baseline["outputs"][0]["text"]
+
+
+# --- the features whose state is the tokens so far: penalties, bad words, n > 1 ------------
+
+FEATURE_PROMPTS = ["A small boat crossed the quiet lake at night.",
+                   "Write a short story about a river and a mountain.",
+                   "The old clock in the hall struck twelve."]
+FEATURE_TOKENS = 28
+#: Request 1: greedy, with penalties counted over output tokens only.
+PENALTIES = {"frequency_penalty": 0.8, "presence_penalty": 0.8}
+#: Request 2: two seeded completions (vLLM seeds completion j with seed + j).
+SAMPLES = {"n": 2, "temperature": 0.8, "seed": 7}
+
+
+def _bad_word_at_the_kill(tokenizer, tokens: list[int]) -> tuple[int, str]:
+    """A kill position K and a bad word of two tokens, ``tokens[K-1:K+1]``, that tokenizes
+    back to them and appears nowhere earlier: its first token is produced before the kill,
+    the token it forbids is the first one the resumed request produces."""
+    for kill in range(8, len(tokens) - 4):
+        pair = tokens[kill - 1:kill + 1]
+        word = tokenizer.decode(pair)
+        earlier = {tuple(tokens[j:j + 2]) for j in range(kill - 1)}
+        # (vLLM encodes a bad word without its leading spaces.)
+        if word == word.lstrip() and tokenizer.encode(word, add_special_tokens=False) == pair \
+                and tuple(pair) not in earlier:
+            return kill, word
+    raise AssertionError(f"no two tokens of {tokens} make a bad word")
+
+
+@pytest.fixture(scope="module")
+def feature_runs(tiny_model, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    base = {"model": tiny_model, "multiprocess": True, "prompts": FEATURE_PROMPTS,
+            "event_log_dir": str(tmp_path_factory.mktemp("events"))}
+    requests = [{}, dict(PENALTIES), dict(SAMPLES)]
+    sampling = {"max_tokens": FEATURE_TOKENS, "requests": requests}
+    plain = _child({**base, "sampling": sampling,
+                    "runs": [{"name": "plain", "recovery": False}]})["plain"]
+    kill_at, word = _bad_word_at_the_kill(AutoTokenizer.from_pretrained(tiny_model),
+                                          plain["outputs"][0]["tokens"])
+    requests[0] = {"bad_words": [word]}
+    kill = {"kind": "process_kill", "rank": 0, "at": {"request": 0, "token": kill_at},
+            "phase": "forward", "params": {"target": "engine"}}
+    resumed = {"recovery": True, "faults": [kill], "max_restarts": 1}
+    result = _child({**base, "sampling": sampling,
+                     "runs": [{"name": "baseline", "recovery": False},
+                              {"name": "resumed", **resumed},
+                              {"name": "no_earlier_outputs", **resumed,
+                               "cripple": "earlier_outputs"},
+                              {"name": "one_seed", **resumed, "cripple": "child_seed"}]})
+    return result, plain, kill_at
+
+
+def _by_key(run: dict) -> dict[tuple, dict]:
+    return {tuple(o["key"]): o for o in run["outputs"]}
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def test_penalties_bad_words_and_samples_continue_exactly_after_the_kill(feature_runs):
+    result, plain, kill_at = feature_runs
+    baseline, resumed = result["baseline"], result["resumed"]
+    assert resumed["error"] is None and resumed["restarts"] == 1
+    # The bad word acts at the kill: the fault-free run without it had its last token there.
+    assert _first_difference(baseline["outputs"][0]["tokens"],
+                             plain["outputs"][0]["tokens"]) == kill_at
+    assert sorted(_by_key(baseline)) == [(0, 0), (1, 0), (2, 0), (2, 1)]
+    # Tokens, logprobs, finish and stop reasons, text: all as the plain engine's.
+    assert resumed["outputs"] == baseline["outputs"]
+
+
+def test_without_the_earlier_outputs_penalties_and_bad_words_go_wrong_after_the_kill(
+        feature_runs):
+    result, _, kill_at = feature_runs
+    want, got = _by_key(result["baseline"]), _by_key(result["no_earlier_outputs"])
+    assert result["no_earlier_outputs"]["restarts"] == 1
+    # The bad word is not seen: the resumed request's first token is the forbidden one.
+    assert _first_difference(got[(0, 0)]["tokens"], want[(0, 0)]["tokens"]) == kill_at
+    # The penalties forget the tokens before the kill: the stream changes after it.
+    assert (_first_difference(got[(1, 0)]["tokens"], want[(1, 0)]["tokens"]) or -1) >= kill_at
+    # The samples of request 2 use neither: they are exact.
+    assert got[(2, 0)] == want[(2, 0)] and got[(2, 1)] == want[(2, 1)]
+
+
+def test_with_one_seed_for_both_samples_the_second_sample_goes_wrong_after_the_kill(
+        feature_runs):
+    result, _, kill_at = feature_runs
+    want, got = _by_key(result["baseline"]), _by_key(result["one_seed"])
+    assert result["one_seed"]["restarts"] == 1
+    assert got[(2, 0)] == want[(2, 0)]  # its seed is the request's own
+    first = _first_difference(got[(2, 1)]["tokens"], want[(2, 1)]["tokens"])
+    assert first is not None and first >= kill_at - 1
+    for key in [(0, 0), (1, 0)]:
+        assert got[key] == want[key]
