@@ -5,8 +5,9 @@ vLLM's multi-process executor (tensor parallel 2 and more) ends the engine when 
 takes longer than ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, and every re-run of a step happens
 inside that RPC. For the engines ftkit starts, the timeout is raised to what the recovery
 settings need at worst (``RecoveryConfig.step_bound``, ``ExecuteTimeout``), and a log line
-says so; an engine ftkit did not start (``vllm serve``) gets a warning at start with the
-setting to change (``warn_short_execute_timeout``).
+says so. An engine ftkit did not start (``vllm serve``, ``vllm.LLM``) gets it raised by ftkit's
+plugin in its engine core, as its executor starts (``raise_short_execute_timeout``), with a
+warning that says so and which setting gives another value.
 """
 
 from __future__ import annotations
@@ -112,15 +113,31 @@ def execute_timeout(recovery: RecoveryConfig | None, world_size: int,
                           recovery.step_bound())
 
 
-def warn_short_execute_timeout(recovery: RecoveryConfig, world_size: int) -> None:
-    """At the start of an engine ftkit did not start (``vllm serve``, ``vllm.LLM``): warn
-    when vLLM's execute timeout would end the engine before a step's recovery is over. Only
-    the environment of ``vllm serve`` can change it, so ftkit says which setting to give."""
+def raise_short_execute_timeout(recovery: RecoveryConfig, world_size: int) -> int | None:
+    """In the engine core of an engine ftkit did not start (``vllm serve``, ``vllm.LLM``), as
+    its executor starts: where vLLM's execute timeout would end the engine before a step's
+    recovery is over, raise it in this process's environment (vLLM reads it there at every
+    step RPC) and say so. Returns the timeout set, ``None`` when it was long enough."""
     timeout = execute_timeout(recovery, world_size)
-    if timeout is not None and timeout.short:
-        log.warning("ftkit: %s: set %s=%d in the environment of vllm serve, or lower "
-                    "fault_tolerance.max_reinference, op_timeout_s or round_timeout_s",
-                    timeout.describe(), VLLM_EXECUTE_TIMEOUT_ENV, timeout.seconds)
+    if timeout is None or not timeout.short:
+        return None
+    os.environ[VLLM_EXECUTE_TIMEOUT_ENV] = str(timeout.seconds)
+    _forget_vllm_env_cache()
+    log.warning("ftkit: %s: raised %s to %d for this engine (set it in the environment of "
+                "vllm serve to choose the value, or lower fault_tolerance.max_reinference, "
+                "op_timeout_s or round_timeout_s)",
+                timeout.describe(), VLLM_EXECUTE_TIMEOUT_ENV, timeout.seconds)
+    return timeout.seconds
+
+
+def _forget_vllm_env_cache() -> None:
+    """Make vLLM read its environment variables again (it caches them once an engine has
+    started)."""
+    from vllm import envs
+
+    if envs._is_envs_cache_enabled():
+        envs.disable_envs_cache()
+        envs.enable_envs_cache()
 
 
 def hold_engine_env() -> Callable[[], None]:

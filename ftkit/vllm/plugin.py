@@ -42,6 +42,7 @@ def register() -> None:
     from vllm.v1.worker import worker_base
 
     _hide_key_from_vllm_ascend()
+    _raise_execute_timeout_as_executors_start()
     original = worker_base.WorkerBase.__init__
     if getattr(original, WRAPPED_MARK, False):
         return
@@ -53,6 +54,41 @@ def register() -> None:
 
     setattr(__init__, WRAPPED_MARK, True)
     worker_base.WorkerBase.__init__ = __init__
+
+
+def _raise_execute_timeout_as_executors_start() -> None:
+    """Wrap the multi-process executor's start, in the engine core, so that an engine with
+    recovery on gets vLLM's execute timeout raised to what its recovery needs
+    (``ftkit.vllm.environment.raise_short_execute_timeout``). Its executor reads the timeout
+    from the engine core's environment at every step RPC; the workers cannot change it."""
+    try:
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    except ImportError:  # (a vLLM without it runs no step RPC with a timeout)
+        return
+    original = MultiprocExecutor._init_executor
+    if getattr(original, WRAPPED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _init_executor(self: Any) -> Any:
+        raise_execute_timeout_for(self.vllm_config)
+        return original(self)
+
+    setattr(_init_executor, WRAPPED_MARK, True)
+    MultiprocExecutor._init_executor = _init_executor
+
+
+def raise_execute_timeout_for(vllm_config: Any) -> int | None:
+    """Raise vLLM's execute timeout for an engine of ``vllm_config`` if its recovery settings
+    need it; the timeout set, or ``None``."""
+    raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+    if raw is None:
+        return None
+    from ftkit.vllm.environment import raise_short_execute_timeout
+
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return raise_short_execute_timeout(RecoveryConfig.from_mapping(raw),
+                                       int(getattr(parallel, "world_size", 1)))
 
 
 def _hide_key_from_vllm_ascend() -> None:
@@ -109,12 +145,7 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     if raw is None or getattr(worker, "_ftkit", None) is not None:
         return None
     config = RecoveryConfig.from_mapping(raw)
-    from ftkit.vllm.environment import warn_short_execute_timeout
     from ftkit.vllm.worker import FtkitWorker
-
-    if int(getattr(worker, "rank", 0)) == 0:
-        parallel = getattr(vllm_config, "parallel_config", None)
-        warn_short_execute_timeout(config, int(getattr(parallel, "world_size", 1)))
 
     ftkit_worker = FtkitWorker(worker, vllm_config, config)
     worker._ftkit = ftkit_worker

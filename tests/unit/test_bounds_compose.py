@@ -1,11 +1,13 @@
 """How ftkit's bounds compose with vLLM's bound on one step (``ftkit.bounds.step_bound``): the
 arithmetic against numbers worked out by hand, the timeout ftkit gives the engines it starts,
-the warning for an engine it did not start, and the validation of a scenario whose hang
+the timeout its plugin raises for an engine it did not start, and the validation of a scenario whose hang
 outlasts the step's bound."""
 
 from __future__ import annotations
 
 import logging
+import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +20,7 @@ from ftkit.bounds import (
 from ftkit.config import RecoveryConfig
 from ftkit.errors import FtkitError
 from ftkit.scenario import ScenarioErrors, load_scenario_text
-from ftkit.vllm.environment import execute_timeout, warn_short_execute_timeout
+from ftkit.vllm.environment import execute_timeout
 
 
 # --- the arithmetic ---------------------------------------------------------------------------
@@ -83,22 +85,58 @@ def test_an_engine_ftkit_starts_gets_the_timeout_its_recovery_needs():
     assert execute_timeout(config.replace(enabled=False), 2, {}) is None
 
 
-def test_a_served_engine_with_a_short_timeout_is_warned_about_with_the_setting(
+def _served_config(world_size: int, recovery: dict | None = None) -> SimpleNamespace:
+    """The parts of a ``VllmConfig`` the plugin reads, for an engine ftkit did not start."""
+    additional = {} if recovery is None else {"fault_tolerance": recovery}
+    return SimpleNamespace(additional_config=additional,
+                           parallel_config=SimpleNamespace(world_size=world_size))
+
+
+def test_a_served_engine_with_a_short_timeout_gets_it_raised_in_its_engine_core(
         monkeypatch, caplog):
+    """The plugin's wrapper of the multi-process executor's start raises vLLM's timeout in
+    the engine core's environment, where vLLM reads it at every step RPC, and says so."""
+    from vllm import envs
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from ftkit.vllm import plugin
+
     monkeypatch.setenv(VLLM_EXECUTE_TIMEOUT_ENV, "300")
-    with caplog.at_level(logging.WARNING, logger="ftkit"):
-        warn_short_execute_timeout(RecoveryConfig(enabled=True), 2)
-    [record] = caplog.records
-    message = record.getMessage()
+    started = []
+    monkeypatch.setattr(MultiprocExecutor, "_init_executor",
+                        lambda self: started.append(envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS))
+    envs.enable_envs_cache()  # as in an engine core that has started an engine before
+    try:
+        plugin._raise_execute_timeout_as_executors_start()
+        executor = SimpleNamespace(vllm_config=_served_config(2, {"enabled": True}))
+        with caplog.at_level(logging.WARNING, logger="ftkit"):
+            MultiprocExecutor._init_executor(executor)
+        # The executor started with the raised value, and reads it at every step.
+        assert started == [660] and envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS == 660
+    finally:
+        envs.disable_envs_cache()
+    [message] = [r.getMessage() for r in caplog.records if r.name == "ftkit"]
     assert "recovery may need up to 660 s for one step" in message
     assert "vLLM ends the engine when a step takes longer than 300 s" in message
-    assert "set VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=660 in the environment of vllm serve" \
-        in message
-    caplog.clear()
+    assert "raised VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS to 660 for this engine" in message
+
+
+def test_a_served_engine_keeps_a_long_enough_timeout_and_one_without_recovery_its_own(
+        monkeypatch, caplog):
+    from ftkit.vllm.plugin import raise_execute_timeout_for
+
     monkeypatch.setenv(VLLM_EXECUTE_TIMEOUT_ENV, "660")
     with caplog.at_level(logging.WARNING, logger="ftkit"):
-        warn_short_execute_timeout(RecoveryConfig(enabled=True), 2)
-    assert caplog.records == []
+        assert raise_execute_timeout_for(_served_config(2, {"enabled": True})) is None
+    caplog.clear()
+    monkeypatch.setenv(VLLM_EXECUTE_TIMEOUT_ENV, "20")
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        assert raise_execute_timeout_for(_served_config(2)) is None
+        assert raise_execute_timeout_for(_served_config(2, {"enabled": False})) is None
+        assert raise_execute_timeout_for(_served_config(1, {"enabled": True})) is None
+    assert [r for r in caplog.records if r.name == "ftkit"] == []
+    assert os.environ[VLLM_EXECUTE_TIMEOUT_ENV] == "20"
+    assert raise_execute_timeout_for(_served_config(2, {"enabled": True})) == 660
 
 
 # --- validation -------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ vLLM's multi-process executor ends the engine when one ``execute_model`` RPC tak
 ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, and every re-run of a step happens inside that RPC. To
 keep the test short the environment gives vLLM 20 s (its default is 300 s) and the fault is a
 hang of three attempts of 8 s: 24 s of hanging alone. ftkit raises the timeout of the engines
-it starts to what their recovery settings need (``ftkit.bounds.step_bound``); without that
-(crippled) the engine dies at the faulted step.
+it starts to what their recovery settings need (``ftkit.bounds.step_bound``), and its plugin
+raises it in the engine core of an engine ftkit did not start (``vllm serve``), where vLLM reads
+it; without either (crippled) the engine dies at the faulted step.
 """
 
 from __future__ import annotations
@@ -45,16 +46,46 @@ def test_ftkit_raises_vllms_timeout_and_the_long_hang_is_recovered(
     assert run.tokens == baseline.tokens["greedy"]
 
 
+def test_an_engine_ftkit_did_not_raise_it_for_gets_it_raised_by_the_plugin(
+        tiny_model, baseline, tmp_path, monkeypatch, capfd):
+    """As under ``vllm serve``: the engine's starter leaves the timeout at 20 s, and ftkit's
+    plugin raises it in the engine core as the executor starts."""
+    monkeypatch.setenv(VLLM_EXECUTE_TIMEOUT_ENV, "20")
+    monkeypatch.setattr(environment, "execute_timeout", lambda *args, **kwargs: None)
+    timeout, run = hang_run(tiny_model, str(tmp_path))
+    assert timeout is None  # the session raised nothing
+    assert run.error is None, run.error
+    captured = capfd.readouterr()
+    assert "raised VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS to 570 for this engine" \
+        in captured.out + captured.err
+    assert [e.attempt for e in run.fired] == [1, 2, 3]
+    assert [r.failures for r in run.recovered] == [3, 3]
+    assert run.tokens == baseline.tokens["greedy"]
+
+
+#: Loaded by the engine's processes (``sitecustomize``): the plugin raises nothing either.
+NO_RAISE = """\
+from ftkit.vllm import environment
+environment.execute_timeout = lambda *args, **kwargs: None
+"""
+
+
 def test_without_the_raised_timeout_vllm_ends_the_engine_at_the_hung_step(
         tiny_model, baseline, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv(VLLM_EXECUTE_TIMEOUT_ENV, "20")
     monkeypatch.setattr(environment, "execute_timeout", lambda *args, **kwargs: None)
-    timeout, run = hang_run(tiny_model, str(tmp_path))
+    patch = tmp_path / "cripple"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(NO_RAISE)
+    monkeypatch.setenv("PYTHONPATH", str(patch))
+    (tmp_path / "events").mkdir()
+    timeout, run = hang_run(tiny_model, str(tmp_path / "events"))
     assert timeout is None
     assert run.error is not None
     # The engine core gave up on the step's RPC after 20 s, in the third hung attempt ...
     captured = capfd.readouterr()
     assert "RPC call to execute_model timed out" in captured.out + captured.err
+    assert "raised VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" not in captured.out + captured.err
     assert [e.attempt for e in run.fired] == [1, 2, 3] and run.recovered == []
     # ... so request 3 ends with the tokens before its hung step, and no request got further
     # than the fault-free run's tokens up to that step.
