@@ -38,7 +38,9 @@ then top to bottom. Fixtures:
 * ``ftkit_engine`` (session): a vLLM engine with the recovery engine on, one per xdist worker,
   closed at the end of the session.
 * ``ftkit_injector`` (function): a :class:`FaultInjector` that runs every ``generate`` call
-  under the test's ``ftkit_fault`` markers and keeps what ftkit recorded for the last call.
+  under the test's ``ftkit_fault`` markers and keeps what ftkit recorded for the last call;
+  its ``assert_exact()`` compares every completion of that call with the fault-free run, as
+  the scenario runner's oracle does (logprobs bit for bit, finish reasons, text).
 * ``ftkit_baseline`` (function): ``ftkit_baseline(prompts, max_tokens=...)`` gives the
   fault-free tokens of the same workload on a plain vLLM engine with the same settings:
   ftkit's recovery engine is not in it, so the oracle never depends on the code under test.

@@ -26,7 +26,7 @@ from ftkit.pytest_plugin.settings import (
 if TYPE_CHECKING:  # imported lazily: the plugin loads in every pytest run
     from ftkit.contracts.eventlog import FaultFired
     from ftkit.contracts.job import SamplingSpec
-    from ftkit.results import FaultRecord, RecoveryRecord
+    from ftkit.results import FaultRecord, RecoveryRecord, RequestOutput
     from ftkit.scenario import EngineSpec, FaultSpec
     from ftkit.vllm.engine import EngineSession
     from ftkit.vllm.workload import GenerateResult
@@ -38,6 +38,12 @@ class GenerateRecord:
 
     run_id: str
     tokens: list[list[int]]
+    #: Every completion (``n`` per request): token ids, the sampled tokens' logprobs, finish
+    #: and stop reason, text.
+    outputs: list[RequestOutput]
+    #: The workload, for the fault-free run ``assert_exact`` compares with.
+    prompts: list[str]
+    sampling: SamplingSpec
     #: The engine's error if the call ended with one (the fault was surfaced), else None.
     error: str | None
     #: Every ``FaultFired`` event of this call, one per rank and failing attempt.
@@ -58,18 +64,24 @@ class FaultFreeRuns:
 
     def __init__(self) -> None:
         self.engines: dict[tuple[str, int], EngineSession] = {}
-        #: Each workload's tokens, by its engine settings, prompts and sampling (as JSON).
-        self._tokens: dict[str, list[list[int]]] = {}
+        #: Each workload's completions, by its engine settings, prompts and sampling (JSON).
+        self._outputs: dict[str, list[RequestOutput]] = {}
 
     def tokens(self, spec: EngineSpec, prompts: list[str], sampling: SamplingSpec, *,
                timeout_s: float) -> list[list[int]]:
         """Each request's fault-free token ids; a failed or timed-out run fails the test."""
+        return [list(r.token_ids)
+                for r in self.outputs(spec, prompts, sampling, timeout_s=timeout_s)]
+
+    def outputs(self, spec: EngineSpec, prompts: list[str], sampling: SamplingSpec, *,
+                timeout_s: float) -> list[RequestOutput]:
+        """Every fault-free completion (token ids, logprobs, finish reason, text); a failed
+        or timed-out run fails the test."""
         key = json.dumps([spec.model, spec.tensor_parallel_size, prompts,
                           sampling.to_mapping()], sort_keys=True)
-        if key not in self._tokens:
-            out = self._run(spec, prompts, sampling, timeout_s)
-            self._tokens[key] = [r.token_ids for r in out.requests]
-        return [list(tokens) for tokens in self._tokens[key]]
+        if key not in self._outputs:
+            self._outputs[key] = self._run(spec, prompts, sampling, timeout_s).requests
+        return [dataclasses.replace(r) for r in self._outputs[key]]
 
     def engine_for(self, spec: EngineSpec) -> EngineSession:
         """The plain engine for ``spec`` (the engine under test's settings), started if need
@@ -151,9 +163,34 @@ class FaultInjector:
         records, rounds = collect_events(events, [f.spec for f in self.plan.faults],
                                          origin=out.started_at)
         self.last = GenerateRecord(
-            run_id=run_id, tokens=[r.token_ids for r in out.requests], error=out.error,
+            run_id=run_id, tokens=[r.token_ids for r in out.requests if r.sample == 0],
+            outputs=out.requests, prompts=list(prompts), sampling=sampling, error=out.error,
             fired=only(events, FaultFired), faults=records, rounds=rounds)
         return self.last.tokens
+
+    def assert_exact(self) -> None:
+        """Fail the test unless the last ``generate`` call ended without an error and every
+        completion is the fault-free run's, field by field as the scenario runner's oracle
+        compares them (``ftkit.verify``): the sampled tokens' logprobs bit for bit, the token
+        ids, the finish and stop reasons and the text. The message names the first
+        difference ("logprob drift at request 0, token 7: ..."). A recovery that changed a
+        logprob fails here even when every token survived."""
+        from ftkit.verify import compare_completion
+
+        last = self._last()
+        if last.error is not None:
+            pytest.fail(f"ftkit: the run ended with an error: {last.error}", pytrace=False)
+        want = self.fault_free.outputs(self.engine.spec, last.prompts, last.sampling,
+                                       timeout_s=self.timeout_s)
+        got = {r.key: r for r in last.outputs}
+        if sorted(got) != sorted(r.key for r in want):
+            pytest.fail(f"ftkit: the run has completions {sorted(got)}, the fault-free run "
+                        f"{sorted(r.key for r in want)}", pytrace=False)
+        for expected in want:
+            comparison = compare_completion(expected, got[expected.key])
+            if comparison.detail is not None:
+                pytest.fail(f"ftkit: not the fault-free run: {comparison.detail}",
+                            pytrace=False)
 
     def baseline(self, prompts: list[str], *, max_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None) -> list[list[int]]:
@@ -227,6 +264,15 @@ class FaultInjector:
     @property
     def tokens(self) -> list[list[int]]:
         return self._last().tokens
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        return self._last().outputs
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        """Each request's sampled tokens' logprobs (its first completion's)."""
+        return [list(r.logprobs or []) for r in self._last().outputs if r.sample == 0]
 
 
 def _marker_field(field: str | None) -> str:

@@ -216,6 +216,70 @@ def test_the_baseline_comes_from_a_plain_engine_never_the_engine_under_test(pyte
     result.assert_outcomes(passed=1)
 
 
+#: The engine under test gives the plain engine's tokens, with one logprob changed (as a
+#: recovery that changed a logprob but no token would).
+DRIFTING_ENGINES = """
+import ftkit.vllm.engine
+from ftkit.results import RequestOutput
+from ftkit.vllm.workload import GenerateResult
+
+
+class StandInEngine:
+    def __init__(self, spec, *, recovery=None, multiprocess=None, leftovers_file=None):
+        self.spec, self.recovery = spec, recovery
+        self.llm = self.dead = None
+
+    def start(self):
+        self.llm = object()
+        return self
+
+    def close(self):
+        self.llm = None
+
+    def new_run_id(self):
+        return "r1"
+
+    def set_fault_plan(self, plan):
+        pass
+
+    def generate(self, prompts, sampling, *, run_id=None, deadline=None, **kwargs):
+        outputs = []
+        for i in range(len(prompts)):
+            logprobs = [-1.25] * sampling.max_tokens
+            if self.recovery is not None and i == 1:
+                logprobs[2] = -1.2500001
+            outputs.append(RequestOutput(i, [7] * sampling.max_tokens, logprobs=logprobs,
+                                         finish_reason="length", text="x"))
+        return GenerateResult(outputs, None, 0.1)
+
+
+ftkit.vllm.engine.EngineSession = StandInEngine
+"""
+
+DRIFT_TESTS = """
+def test_tokens_alone_miss_the_drift(ftkit_injector, ftkit_baseline):
+    tokens = ftkit_injector.generate(["a b", "c d"], max_tokens=4)
+    assert tokens == ftkit_baseline(["a b", "c d"], max_tokens=4)
+    assert ftkit_injector.logprobs[1][2] == -1.2500001
+
+
+def test_assert_exact_sees_the_drift(ftkit_injector):
+    ftkit_injector.generate(["a b", "c d"], max_tokens=4)
+    ftkit_injector.assert_exact()
+"""
+
+
+def test_assert_exact_fails_on_a_logprob_drift_that_the_tokens_do_not_show(pytester):
+    pytester.makeconftest(DRIFTING_ENGINES)
+    pytester.makepyfile(test_drift=DRIFT_TESTS)
+    pytester.makefile(".json", **{"model/config": "{}"})
+    result = pytester.runpytest_subprocess(f"--ftkit-model={pytester.path / 'model'}")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*_ test_assert_exact_sees_the_drift _*",
+                                 "*not the fault-free run: logprob drift at request 1, token 2: "
+                                 "-1.25 vs -1.2500001*"])
+
+
 # --- markers --------------------------------------------------------------------------------
 
 def test_markers_are_registered_for_strict_markers(pytester):
@@ -363,6 +427,9 @@ def test_recovered_tokens_equal_the_baseline(ftkit_injector, ftkit_baseline):
     assert [e.kind for e in ftkit_injector.fired] == ["oom"]
     assert ftkit_injector.faults[0].recovered
     assert [r.decision for r in ftkit_injector.rounds] == ["recompute"]
+    # Logprobs, finish reasons and text too, as the scenario runner's oracle sees them.
+    assert len(ftkit_injector.logprobs[0]) == 16
+    ftkit_injector.assert_exact()
 
 
 @pytest.mark.ftkit_fault(**OOM)

@@ -4,7 +4,9 @@
 returns each request's token ids; ``ftkit_baseline`` gives the tokens without faults.
 Afterwards ``ftkit_injector`` holds what ftkit recorded for the call: ``fired`` (one event
 per rank and failing attempt), ``faults`` (one record per marker), ``rounds`` (the
-recovery rounds) and ``error`` (the engine's error, if the fault was surfaced).
+recovery rounds), ``error`` (the engine's error, if the fault was surfaced) and ``logprobs``;
+``assert_exact()`` compares every completion with the fault-free run as the scenario runner's
+oracle does: logprobs bit for bit, finish reasons and text too.
 """
 
 import pytest
@@ -24,6 +26,7 @@ def test_oom_during_decode_is_recovered_exactly(ftkit_injector, ftkit_baseline):
     assert tokens == ftkit_baseline(PROMPTS, max_tokens=16)
     assert ftkit_injector.faults[0].attempts == 2
     assert [r.decision for r in ftkit_injector.rounds] == ["recompute", "recompute"]
+    ftkit_injector.assert_exact()
 
 
 @pytest.mark.ftkit_fault(kind="oom", rank=0, at={"request": 2, "token": 9}, phase="sample")
@@ -34,6 +37,7 @@ def test_seeded_sampling_draws_the_same_tokens_after_a_rerun(ftkit_injector, ftk
     assert ftkit_injector.error is None
     assert tokens == ftkit_baseline(PROMPTS, **sampling)
     assert len(ftkit_injector.fired) == 1
+    ftkit_injector.assert_exact()
 
 
 # This test needs another engine setting: ftkit starts an engine of its own for it.
