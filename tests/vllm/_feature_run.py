@@ -8,8 +8,8 @@ Usage: ``_feature_run.py CONFIG_JSON``. CONFIG keys: model, engine_args, tensor_
 parallel 2 and more), env (environment variables set before the first engine starts), event_log_dir,
 prompts, sampling (``SamplingSpec.to_mapping()``), submit_after_steps, and runs: a list of
 ``{"name", "recovery" (bool), "faults" (``FaultSpec`` dicts), "cripple" (a name of
-``CRIPPLES`` or null; it patches this process only, so not the workers of a multi-process
-engine), "max_restarts" (engine restarts after a process died, default 0), "workload" (optional: any of CONFIG's keys above but env, for this run)}``, run one
+``CRIPPLES`` or null; most patch this process only, so not the workers of a multi-process
+engine; those of ``EVERYWHERE`` also reach every process the engine starts), "max_restarts" (engine restarts after a process died, default 0), "workload" (optional: any of CONFIG's keys above but env, for this run)}``, run one
 after the other, each on an engine of its own (a cripple is undone after its run). Prints one
 ``RESULT <json>`` line: per run name, every completion's tokens, logprobs, finish and stop
 reason and text, the run's error, its engine restarts, the lost KV recomputed (per rank) and, for a single-process engine, what its
@@ -63,10 +63,14 @@ def _batch_in_scheduler_order() -> Callable[[], None]:
 def _resumed_text_from_the_new_engine() -> Callable[[], None]:
     """A resumed request's stop strings and text are the new engine's alone, as before the
     front end fed its original request's detokenizer the whole stream (``_Shadow``)."""
-    def params(self, index, produced=0):
+    def params(self, index, produced=0, sample=None):
         from vllm import SamplingParams
 
         kwargs = self.sampling.for_request(index)
+        if sample is not None:  # one completion of several, as ``Workload.params`` has it
+            kwargs["n"] = 1
+            if kwargs.get("seed") is not None:
+                kwargs["seed"] = int(kwargs["seed"]) + sample
         if produced:
             kwargs["max_tokens"] = int(kwargs["max_tokens"]) - produced
         kwargs.setdefault("logprobs", 0)
@@ -75,39 +79,6 @@ def _resumed_text_from_the_new_engine() -> Callable[[], None]:
     undo_params = _patch(workload.Workload, "params", params)
     undo_shadow = _patch(workload, "_Shadow", lambda *args: None)
     return lambda: (undo_params(), undo_shadow())
-
-
-#: Loaded by every process the engine starts (``sitecustomize``): the sampler of a resumed
-#: request sees only the output tokens of the new engine.
-_NO_EARLIER_OUTPUTS = """\
-from ftkit.vllm import worker
-worker.show_earlier_outputs = lambda runner: None
-"""
-
-
-def _without_earlier_outputs() -> Callable[[], None]:
-    """Penalties and bad words of a resumed request count only what it produced after the
-    resume, as before ftkit showed the sampler its earlier tokens (``show_earlier_outputs``).
-    The patch must reach the engine core's process: it is also loaded there."""
-    import tempfile
-
-    from ftkit.vllm import worker
-
-    patch_dir = tempfile.mkdtemp(prefix="ftkit-cripple-")
-    Path(patch_dir, "sitecustomize.py").write_text(_NO_EARLIER_OUTPUTS)
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = patch_dir + (os.pathsep + saved if saved else "")
-    undo = _patch(worker, "show_earlier_outputs", lambda runner: None)
-
-    def undo_all() -> None:
-        undo()
-        shutil.rmtree(patch_dir, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-
-    return undo_all
 
 
 def _one_seed_for_every_sample() -> Callable[[], None]:
@@ -121,13 +92,124 @@ def _one_seed_for_every_sample() -> Callable[[], None]:
     return _patch(workload.Workload, "params", same_seed)
 
 
+#: Repairs switched off in every process of the engine, workers of every rank included:
+#: name -> (code, the ``(module, class or None, attribute)`` it replaces). The code is loaded
+#: as ``sitecustomize`` by every process the engine starts (they inherit ``PYTHONPATH``) and
+#: run in this one too (an engine in this process); this process's attributes are put back
+#: after the run.
+EVERYWHERE: dict[str, tuple[str, list[tuple[str, str | None, str]]]] = {
+    # Rollback of execute_model: block ids, new requests, the batch stay as the attempt left.
+    "no_rollback_execute": ("""\
+from ftkit.vllm import runner_state
+runner_state.V1RunnerState.rollback_execute = lambda self, scheduler_output: None
+""", [("ftkit.vllm.runner_state", "V1RunnerState", "rollback_execute")]),
+    # Rollback of sample_tokens: neither generators nor output tokens are put back.
+    "no_rollback_sample": ("""\
+from ftkit.vllm import runner_state
+runner_state.V1RunnerState.rollback_sample = lambda self, record: None
+""", [("ftkit.vllm.runner_state", "V1RunnerState", "rollback_sample")]),
+    # The generators' states are not recorded, so a rolled-back sampling does not restore
+    # them (the rest of the sample rollback is intact).
+    "no_generator_restore": ("""\
+from ftkit.vllm import runner_state
+_begin = runner_state.V1RunnerState.begin_sample
+def _begin_without_generators(self, scheduler_output):
+    record = _begin(self, scheduler_output)
+    record.generators = ()
+    return record
+runner_state.V1RunnerState.begin_sample = _begin_without_generators
+""", [("ftkit.vllm.runner_state", "V1RunnerState", "begin_sample")]),
+    # The persistent batch is never emptied: not by a rollback, not after a round.
+    "no_batch_reset": ("""\
+from ftkit.vllm import runner_state
+runner_state.V1RunnerState.reset_batch = lambda self: None
+""", [("ftkit.vllm.runner_state", "V1RunnerState", "reset_batch")]),
+    # Lost KV is not recomputed.
+    "no_kv_recompute": ("""\
+from ftkit.vllm import kv_recompute
+kv_recompute.KvRecompute.run = lambda self, scheduler_output, call: None
+""", [("ftkit.vllm.kv_recompute", "KvRecompute", "run")]),
+    # Weights hit by a memory error are not reloaded.
+    "no_reload": ("""\
+from ftkit.vllm import memory
+memory.RunnerMemory.reload_params = lambda self, names: []
+""", [("ftkit.vllm.memory", "RunnerMemory", "reload_params")]),
+    # Penalties and bad words of a resumed request count only what it produced after the
+    # resume (the sampler is not shown its earlier tokens: ``show_earlier_outputs``).
+    "earlier_outputs": ("""\
+from ftkit.vllm import worker
+worker.show_earlier_outputs = lambda runner: None
+""", [("ftkit.vllm.worker", None, "show_earlier_outputs")]),
+    # A resumed seeded request's generator starts from its seed again.
+    "no_fast_forward": ("""\
+from ftkit.vllm import runner_state
+runner_state.fast_forward = lambda runner, done: []
+""", [("ftkit.vllm.runner_state", None, "fast_forward")]),
+}
+
+
+def _everywhere(name: str) -> Callable[[], None]:
+    import importlib
+    import tempfile
+
+    code, targets = EVERYWHERE[name]
+    saved_attrs = []
+    for module, owner, attr in targets:
+        obj = importlib.import_module(module)
+        if owner is not None:
+            obj = getattr(obj, owner)
+        saved_attrs.append((obj, attr, obj.__dict__[attr]))
+    patch_dir = tempfile.mkdtemp(prefix="ftkit-cripple-")
+    Path(patch_dir, "sitecustomize.py").write_text(code)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = patch_dir + (os.pathsep + saved if saved else "")
+    exec(compile(code, f"<cripple {name}>", "exec"), {"__name__": f"_cripple_{name}"})
+
+    def undo() -> None:
+        for obj, attr, value in saved_attrs:
+            setattr(obj, attr, value)
+        shutil.rmtree(patch_dir, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+    return undo
+
+
+def _resume_from_the_prompt_alone() -> Callable[[], None]:
+    """A resumed request is submitted again with its original prompt only: the tokens it had
+    produced are dropped (its id and budgets still count them)."""
+    from vllm.inputs import TokensPrompt
+
+    resume_sample = workload.Workload._resume_sample
+
+    class _Engine:
+        def __init__(self, engine: Any, prompt_ids: list[int]) -> None:
+            self._engine, self._prompt_ids = engine, prompt_ids
+
+        def add_request(self, rid, prompt, params):
+            return self._engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=self._prompt_ids), params)
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+    def without_tokens(self, engine, req, several):
+        return resume_sample(self, _Engine(engine, list(self.prompt_token_ids[req.index])),
+                             req, several)
+
+    return _patch(workload.Workload, "_resume_sample", without_tokens)
+
+
 #: A repair switched off: name -> patch (returns its undo).
 CRIPPLES: dict[str, Callable[[], Callable[[], None]]] = {
+    **{name: (lambda name=name: _everywhere(name)) for name in EVERYWHERE},
+    "resume_prompt_only": _resume_from_the_prompt_alone,
     "kv": lambda: _patch(KvRecompute, "run", lambda self, scheduler_output, call: None),
     "prefix": _no_prefix_hits,
     "layout": _batch_in_scheduler_order,
     "shadow": _resumed_text_from_the_new_engine,
-    "earlier_outputs": _without_earlier_outputs,
     "child_seed": _one_seed_for_every_sample,
 }
 
