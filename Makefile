@@ -72,7 +72,7 @@ run: setup ## Run the headline scenario (link flap on TP=2 vLLM, CPU)
 	$(FTKIT) run $(SCENARIO)
 
 test: setup ## Run the test suite (unit, multi-process and real-vLLM tests)
-	$(PYTEST) -q -rs --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) $(TESTS)
+	$(PYTEST) -q -rs --durations=25 --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) $(TESTS)
 
 bench: setup $(LEGACY_STAMP) ## Benchmarks: fault-free cost, snapshot, recovery latency, scenario library, chaos search (~50 min)
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
