@@ -5,10 +5,10 @@ so that how the bounds compose (with each other and with vLLM's own timeouts) ca
 one page. The one composition that matters to vLLM is ``step_bound``, at the end: every
 re-run of a step happens inside the step's RPC, and vLLM's multi-process executor waits for
 one step RPC at most ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (300 s by default), then ends the
-engine. ftkit raises that timeout for the engines it starts (``ftkit.vllm.environment``),
-and, through its plugin, in the engine core of an engine it did not start (``vllm serve``)
-whose timeout is too short, saying so; and it refuses at validation a scenario whose faults need more than its engine will be given
-(``ftkit.scenario.rules``).
+engine. ftkit raises that timeout for the engines it starts (``ftkit.vllm.environment``) and,
+through its plugin, in the engine core of an engine it did not start (``vllm serve``) whose
+timeout is too short, saying so; and it refuses at validation a scenario whose faults need
+more than its engine will be given (``ftkit.scenario.rules``).
 """
 
 from __future__ import annotations

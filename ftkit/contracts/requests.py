@@ -27,9 +27,13 @@ class RequestRef(NamedTuple):
     sample: int = 0
 
 
-def request_id(run_id: str, index: int, offset: int = 0) -> str:
+def request_id(run_id: str, index: int, offset: int = 0, sample: int | None = None) -> str:
+    """The id of request ``index``; ``offset``: resumed after that many output tokens;
+    ``sample``: one completion of a request with ``n > 1``, submitted as a request of its own
+    (the id vLLM gives such a completion)."""
     rid = REQUEST_ID.format(run_id=run_id, index=index)
-    return f"{rid}+{offset}" if offset else rid
+    rid = f"{rid}+{offset}" if offset else rid
+    return rid if sample is None else f"{sample}_{rid}"
 
 
 def parse_request_id(req_id: str) -> RequestRef | None:

@@ -12,9 +12,9 @@ its ``params`` fit its kind (``ftkit.scenario.params``), and its kind's own rule
 (``KindSpec.rules`` in ``ftkit.kinds``: a link fault has a peer, a flap repeats, a process is
 killed once, a KV UCE hits a request that holds KV, ...); an expected recovery is possible
 (recovery enabled and ``times <= max_reinference``); expected identical tokens can be
-reproduced (every randomly sampled request has a seed); and, with recovery on, ``engine.args`` turn on nothing that
-ftkit cannot recover (pipeline, data or expert parallelism, speculative decoding,
-asynchronous scheduling).
+reproduced (every randomly sampled request has a seed); and, with recovery on,
+``engine.args`` turn on nothing that ftkit cannot recover (pipeline, data or expert
+parallelism, speculative decoding, asynchronous scheduling).
 """
 
 from __future__ import annotations

@@ -81,14 +81,20 @@ def _raise_execute_timeout_as_executors_start() -> None:
 def raise_execute_timeout_for(vllm_config: Any) -> int | None:
     """Raise vLLM's execute timeout for an engine of ``vllm_config`` if its recovery settings
     need it; the timeout set, or ``None``."""
-    raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
-    if raw is None:
+    config = recovery_settings(vllm_config)
+    if config is None:
         return None
     from ftkit.vllm.environment import raise_short_execute_timeout
 
     parallel = getattr(vllm_config, "parallel_config", None)
-    return raise_short_execute_timeout(RecoveryConfig.from_mapping(raw),
-                                       int(getattr(parallel, "world_size", 1)))
+    return raise_short_execute_timeout(config, int(getattr(parallel, "world_size", 1)))
+
+
+def recovery_settings(vllm_config: Any) -> RecoveryConfig | None:
+    """The recovery settings of ``vllm_config`` (``additional_config["fault_tolerance"]``),
+    or ``None`` where it has none."""
+    raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+    return None if raw is None else RecoveryConfig.from_mapping(raw)
 
 
 def _hide_key_from_vllm_ascend() -> None:
@@ -141,10 +147,11 @@ def bind_step_method(worker: Any, name: str, wrapper: Any, inner: Any) -> None:
 
 def install(worker: Any, vllm_config: Any) -> Any | None:
     """Wrap ``worker``'s step methods if the config asks for ftkit; return the wrapper."""
-    raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
-    if raw is None or getattr(worker, "_ftkit", None) is not None:
+    if getattr(worker, "_ftkit", None) is not None:
         return None
-    config = RecoveryConfig.from_mapping(raw)
+    config = recovery_settings(vllm_config)
+    if config is None:
+        return None
     from ftkit.vllm.worker import FtkitWorker
 
     ftkit_worker = FtkitWorker(worker, vllm_config, config)

@@ -136,10 +136,10 @@ class Workload:
                 req.finish_reason = finish_reason
                 req.stop_reason = stop_reason
                 req.text = text
-        samples = self.samples(ref.index)
-        if finished and (len(samples) == 1 or all(o.finish_reason is not None
-                                                  for o in samples)):
-            self.finished.add(ref.index)
+        if finished:
+            samples = self.samples(ref.index)
+            if len(samples) == 1 or all(o.finish_reason is not None for o in samples):
+                self.finished.add(ref.index)
 
     def samples(self, index: int) -> list[RequestOutput]:
         """The completions of request ``index`` (``n`` of them)."""
@@ -193,9 +193,7 @@ class Workload:
         if int(self.request_params[i]["max_tokens"]) - produced <= 0:
             return False
         sample = req.sample if several else None
-        rid = request_id(self.run_id, i, offset=produced)
-        if sample is not None:
-            rid = f"{sample}_{rid}"  # vLLM's id of one completion (``ParentRequest``)
+        rid = request_id(self.run_id, i, offset=produced, sample=sample)
         prompt_ids = self.prompt_token_ids[i]
         if produced:
             self._shadows[req.key] = _Shadow(engine.get_tokenizer(), prompt_ids,

@@ -7,8 +7,12 @@ plain engine, which is then closed. Engines with faults that end them get their 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
@@ -126,6 +130,17 @@ class FaultRun:
     reloaded: list[ParamsReloaded]
     #: The sampled token's logprob at each position of each request.
     logprobs: list[list[float]]
+
+
+def feature_run(config: dict, timeout_s: float) -> dict:
+    """Run ``_feature_run.py`` with ``config`` in a child process and return its ``RESULT``
+    (per run name: completions, error, restarts, ...); the child must succeed."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_feature_run.py")),
+                           json.dumps(config)], capture_output=True, text=True,
+                          timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def run_with_faults(engine: EngineSession, sampling: SamplingSpec, faults: list[FaultSpec],

@@ -18,12 +18,11 @@ stream breaks at the faulted token (the greedy request is unaffected).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import feature_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -75,11 +74,7 @@ def _runs(tp: int) -> list[dict]:
 
 
 def _child(config: dict) -> dict:
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_feature_run.py")),
-                           json.dumps(config)], capture_output=True, text=True, timeout=1400)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return feature_run(config, timeout_s=1400)
 
 
 def _results(tiny_model: str, events: Path, tp: int) -> dict:

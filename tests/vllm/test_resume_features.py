@@ -11,12 +11,9 @@ target), and is compared with a plain engine's run of the same workload.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from conftest import feature_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -27,11 +24,7 @@ KILL_AT = 14
 
 
 def _child(config: dict) -> dict:
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_feature_run.py")),
-                           json.dumps(config)], capture_output=True, text=True, timeout=540)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return feature_run(config, timeout_s=540)
 
 
 @pytest.fixture(scope="module")
