@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "FaultKind": "ftkit.faults", "KIND_SPECS": "ftkit.kinds", "kind_spec": "ftkit.kinds",
     # running scenarios
     "ScenarioRunner": "ftkit.runner", "run_scenario": "ftkit.runner",
+    "measure_serve_oracle": "ftkit.runner.serve",
     "ProgressEvent": "ftkit.progress", "EventSink": "ftkit.progress",
     # results and reports
     "ScenarioResult": "ftkit.results", "Verdict": "ftkit.results",
@@ -64,6 +65,11 @@ _EXPORTS: dict[str, str] = {
     "Event": "ftkit.contracts.eventlog", "FaultFired": "ftkit.contracts.eventlog",
     "StepRecovered": "ftkit.contracts.eventlog", "RecoveryRound": "ftkit.contracts.eventlog",
     "KvRecomputed": "ftkit.contracts.eventlog", "ParamsReloaded": "ftkit.contracts.eventlog",
+    # a running server (ftkit inject)
+    "inject_live_fault": "ftkit.serve.client", "InjectRefused": "ftkit.serve.client",
+    "INJECT_SECRET_ENV": "ftkit.serve.client",
+    # starting a server (ftkit serve)
+    "plan_serve": "ftkit.serve.launch", "ServeLaunch": "ftkit.serve.launch",
     # this machine, models
     "diagnose": "ftkit.doctor", "Diagnosis": "ftkit.doctor", "REAL": "ftkit.doctor",
     "TINY": "ftkit.model", "build_tiny_model": "ftkit.model", "resolve_model": "ftkit.model",
@@ -110,6 +116,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
                                             write_campaign_html)
     from ftkit.results import ScenarioResult, Verdict
     from ftkit.runner import ScenarioRunner, run_scenario
+    from ftkit.runner.serve import measure_serve_oracle
     from ftkit.scenario import (FORMAT_VERSION, EngineSpec, FaultSpec, Overrides, Scenario,
                                 ScenarioErrors, load_scenario, load_scenario_text,
                                 load_scenarios, override_lines, random_prompts,

@@ -65,6 +65,13 @@ ORPHAN_CHECK_S = 2.0
 #: How often the runner looks at the event log for new fault and recovery events (and at the
 #: engine host: alive, deadline passed, new processes below it).
 EVENT_POLL_S = 0.25
+#: Bound on a serve scenario's server start, until its ``/health`` answers 200 (a TP 2 server
+#: of the tiny model starts in 20-40 s on two cores; more beside other work).
+SERVE_START_TIMEOUT_S = 240.0
+#: Bound on one fault-free run of a serve workload when the oracle is measured.
+SERVE_RUN_TIMEOUT_S = 120.0
+#: How often a starting server's ``/health`` is asked.
+SERVE_HEALTH_POLL_S = 0.5
 #: How often the engine host reports token progress, at most.
 PROGRESS_EVERY_S = 0.2
 #: How long a process asked to terminate (SIGTERM) may take before it is killed; also the

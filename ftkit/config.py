@@ -39,6 +39,13 @@ class RecoveryConfig:
     ``op_timeout_s``: operators (and collectives) that run longer raise the hang error
     instead of blocking: ``set_op_timeout_ms`` on Ascend, the collectives' bound on CPU and
     CUDA; ``None``: ``ftkit.bounds.DEFAULT_OP_TIMEOUT_S`` (120 s).
+    ``injection``: a server (``vllm serve``) accepts faults from ``ftkit inject``, each with
+    the shared secret of its ``FTKIT_INJECT_SECRET`` (``ftkit.serve.control``); off by default.
+    ``max_restarts``: a server replaces an engine that died (a killed worker or engine core)
+    up to this many times, and resumes every request it was running (``ftkit.vllm.restart``);
+    0 (the default): a dead engine ends the server, as in vLLM.
+    ``standby``: with ``max_restarts``, keep a second engine started and idle, which takes
+    over at once when the engine dies (it costs a second engine's memory).
 
     Every re-run of a step happens inside the step's RPC, which vLLM bounds by
     ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``; ``step_bound()`` says how long these settings
@@ -50,6 +57,9 @@ class RecoveryConfig:
     round_timeout_s: float = DEFAULT_ROUND_TIMEOUT_S
     event_log_dir: str | None = None
     op_timeout_s: float | None = None
+    injection: bool = False
+    max_restarts: int = 0
+    standby: bool = False
 
     @classmethod
     def from_mapping(cls, raw: dict[str, Any] | None) -> RecoveryConfig:
@@ -75,6 +85,16 @@ class RecoveryConfig:
         cfg = cls(**raw)
         if not isinstance(cfg.enabled, bool):
             raise FtkitError(f"{CONFIG_KEY}.enabled must be true or false")
+        if not isinstance(cfg.injection, bool):
+            raise FtkitError(f"{CONFIG_KEY}.injection must be true or false")
+        if isinstance(cfg.max_restarts, bool) or not isinstance(cfg.max_restarts, int) \
+                or cfg.max_restarts < 0:
+            raise FtkitError(f"{CONFIG_KEY}.max_restarts must be an integer >= 0")
+        if not isinstance(cfg.standby, bool):
+            raise FtkitError(f"{CONFIG_KEY}.standby must be true or false")
+        if cfg.standby and not cfg.max_restarts:
+            raise FtkitError(f"{CONFIG_KEY}.standby needs max_restarts >= 1 (the standby "
+                             f"engine takes over from one that died)")
         if isinstance(cfg.max_reinference, bool) or not isinstance(cfg.max_reinference, int) \
                 or cfg.max_reinference < 0:
             raise FtkitError(f"{CONFIG_KEY}.max_reinference must be an integer >= 0")

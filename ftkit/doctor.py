@@ -10,7 +10,10 @@
   here (the backend has the fault model it needs), and whether the fault is then caused for
   real or emulated, and how (each kind's doctor row: ``KindSpec.doctor`` in ``ftkit.kinds``);
 * for every recovery step: whether the platform's backend can do it here, and how or why not
-  (``capabilities()`` of a backend built without a process group).
+  (``capabilities()`` of a backend built without a process group);
+* for serving: whether vLLM loads ftkit's general plugin (recovery) and its endpoint plugin
+  (ftkit's routes) under this environment (installed, importable, allowed by
+  ``VLLM_PLUGINS``), and whether the ``vllm`` command starts here (``ServingSupport``).
 
 Nothing here prints; the ``ftkit doctor`` command renders it (text or ``--json``).
 """
@@ -18,7 +21,9 @@ Nothing here prints; the ``ftkit doctor`` command renders it (text or ``--json``
 from __future__ import annotations
 
 import inspect
+import os
 import platform
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
@@ -66,6 +71,15 @@ class StepSupport:
     detail: str
 
 
+@dataclass(frozen=True)
+class ServingSupport:
+    #: ``general plugin``, ``endpoint plugin`` or ``vllm command``.
+    what: str
+    works: bool
+    #: How, or why not and what to do.
+    detail: str
+
+
 @dataclass
 class Diagnosis:
     platform: str
@@ -79,6 +93,7 @@ class Diagnosis:
     torch_cuda: str | None = None
     faults: list[FaultSupport] = field(default_factory=list)
     recovery: list[StepSupport] = field(default_factory=list)
+    serving: list[ServingSupport] = field(default_factory=list)
     #: What stopped the diagnosis from being complete.
     problems: list[str] = field(default_factory=list)
 
@@ -98,7 +113,7 @@ def diagnose() -> Diagnosis:
         backend=backend, python=platform.python_version(), machine=platform.machine(),
         packages=[_package(name, names) for name, names in PACKAGES.items()],
         torch_cuda=_torch_cuda(), faults=_faults(device_type, instance),
-        recovery=recovery, problems=problems)
+        recovery=recovery, serving=_serving(os.environ), problems=problems)
 
 
 def _platform() -> tuple[str, str, list[str]]:
@@ -165,6 +180,34 @@ def _faults(device_type: str, backend: Any) -> list[FaultSupport]:
                                 implemented=spec.implemented, injectable=not reason,
                                 mode=mode, how=how, reason=reason))
     return out
+
+
+def _serving(environ: Mapping[str, str]) -> list[ServingSupport]:
+    """Whether vLLM started from this Python environment under ``environ`` loads ftkit's two
+    plugins, and whether the ``vllm`` command starts."""
+    from ftkit.serve.launch import ENDPOINT_PLUGINS_GROUP, GENERAL_PLUGINS_GROUP, plugin_load
+
+    rows = []
+    for what, group in (("general plugin", GENERAL_PLUGINS_GROUP),
+                        ("endpoint plugin", ENDPOINT_PLUGINS_GROUP)):
+        load = plugin_load(group, environ)
+        rows.append(ServingSupport(what, load.loaded, load.detail))
+    return [*rows, _vllm_command()]
+
+
+def _vllm_command() -> ServingSupport:
+    """vLLM's ``vllm`` command looks up the version of the distribution ``vllm`` as it starts
+    (``vllm.entrypoints.cli.main``), and fails where vLLM came as another distribution."""
+    vllm = _package("vllm", PACKAGES["vllm"])
+    if vllm.distribution is None:
+        return ServingSupport("vllm command", False, "vLLM is not installed")
+    if vllm.distribution == "vllm":
+        return ServingSupport("vllm command", True,
+                              f"vllm serve starts here (distribution vllm {vllm.version})")
+    return ServingSupport("vllm command", False, (
+        f"vllm fails at start here: it looks up the distribution vllm, and vLLM came as "
+        f"{vllm.distribution} {vllm.version}; use ftkit serve MODEL [options] (or python -m "
+        "vllm.entrypoints.openai.api_server --model MODEL [options])"))
 
 
 def _package(name: str, distributions: tuple[str, ...]) -> Package:

@@ -41,6 +41,7 @@ from ftkit.contracts.requests import (  # noqa: F401
     RequestRef,
     parse_request_id,
     request_id,
+    served_request_matches,
 )
 from ftkit.contracts.step import RpcKind
 from ftkit.errors import InjectionError
@@ -63,6 +64,8 @@ class _Pending:
     step: int | None = None
     #: Failing attempts fired so far (with those that fired before an engine restart).
     fired: int = 0
+    #: A fault planned ``after_steps`` ahead: the steps still to run before its own.
+    steps_left: int | None = None
 
     @property
     def kind(self) -> FaultKind:
@@ -91,7 +94,8 @@ def _pending(planned: PlannedFault) -> _Pending:
         params = spec.params.model_validate(dict(planned.spec.params or {}))
     except ValueError as exc:
         raise InjectionError(f"fault {planned.index} ({kind}): bad params: {exc}") from exc
-    return _Pending(planned, spec, params, fired=planned.fired)
+    return _Pending(planned, spec, params, fired=planned.fired,
+                    steps_left=planned.after_steps)
 
 
 class Injector:
@@ -134,6 +138,21 @@ class Injector:
         self.faults = [f for f in mine if f.fired < f.times]
         self._armed = None
 
+    def add_live(self, plan: FaultPlan, *, check_only: bool = False) -> None:
+        """Add the faults of ``plan``, planned in a live server (``PlannedFault.live``), to
+        those still pending; the run stays as it was. ``InjectionError`` (and nothing added)
+        when one of them cannot be injected here; ``check_only``: only that check."""
+        pending = [_pending(f) for f in plan.faults]
+        for fault in pending:
+            if not fault.planned.live:
+                raise InjectionError(f"fault {fault.planned.index} names no client request "
+                                     f"and no step: a live fault needs one")
+        mine = [f for f in pending if f.planned.on_rank(self.rank)]
+        for fault in mine:
+            fault.spec.injection.check(fault.kind, fault.params, self._site)
+        if not check_only:
+            self.faults = [f for f in self.faults if f.fired < f.times] + mine
+
     # --- StepHook ---------------------------------------------------------------------------
 
     def on_attempt(self, rpc_kind: RpcKind, step: int, attempt: int, payload: Any) -> None:
@@ -173,8 +192,22 @@ class Injector:
 
     def _target(self, step: int, scheduler_output: Any) -> None:
         indices: dict[int, int] | None = None
+        tokens: dict[str, int] | None = None
         for fault in self.faults:
             if fault.step is not None:
+                continue
+            if fault.steps_left is not None:
+                if fault.steps_left == 0:
+                    fault.step = step
+                fault.steps_left -= 1
+                continue
+            key = fault.planned.request_key
+            if key is not None:
+                if tokens is None:
+                    tokens = self._token_indices(scheduler_output)
+                if any(token == fault.planned.spec.at.token and served_request_matches(rid, key)
+                       for rid, token in tokens.items()):
+                    fault.step = step
                 continue
             if indices is None:
                 indices = {}
@@ -195,7 +228,8 @@ class Injector:
                                     pid=os.getpid()))
         log.warning("ftkit: injecting %s on rank %d at step %d (%s, attempt %d of %d)",
                     fault.kind, self.rank, step, fault.phase, fault.fired, fault.times)
-        firing = Firing(fault.kind, at.request, fault.phase, fault.params, step)
+        firing = Firing(fault.kind, at.request, fault.phase, fault.params, step,
+                        fault.planned.request_key)
         injection = fault.spec.injection
         if injection.arm(firing, self._site):
             return  # the fault acts by itself (a broken link makes a collective raise)

@@ -8,7 +8,7 @@ moment the workload was submitted to the engine.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -125,6 +125,75 @@ class RunOutput:
         return sum(len(r.token_ids) for r in self.requests)
 
 
+@dataclass
+class StreamView:
+    """One stream as a server's client saw it (``engine.mode: serve``). Times in seconds:
+    ``ttft_s`` from the request's send to its first token, ``max_gap_s`` the longest wait
+    between two streamed tokens (``None`` with fewer than two)."""
+
+    request: int
+    tokens: int
+    ttft_s: float | None = None
+    max_gap_s: float | None = None
+    #: A background stream: load beside the workload, its output not compared.
+    background: bool = False
+    #: What ended the stream early (the client's error), ``None`` when it finished.
+    error: str | None = None
+
+
+@dataclass
+class ClientView:
+    """The client's view of a serve scenario's runs (``engine.mode: serve``): every stream
+    of the fault-free run and of the faulted run. The clients never retry (a retry would hide
+    a failure from the oracle), so a failed request is one whose stream ended with an error."""
+
+    api: str
+    run: list[StreamView] = field(default_factory=list)
+    baseline: list[StreamView] = field(default_factory=list)
+
+    @staticmethod
+    def _largest(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    @property
+    def max_ttft_s(self) -> float | None:
+        """The longest time to first token of the faulted run's streams."""
+        return self._largest([s.ttft_s for s in self.run])
+
+    @property
+    def max_gap_s(self) -> float | None:
+        """The longest gap between two tokens of one stream in the faulted run."""
+        return self._largest([s.max_gap_s for s in self.run])
+
+    @property
+    def baseline_max_gap_s(self) -> float | None:
+        return self._largest([s.max_gap_s for s in self.baseline])
+
+    @property
+    def failed_requests(self) -> int:
+        """Streams of the faulted run (background ones included) that ended with an error."""
+        return sum(1 for s in self.run if s.error is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(max_ttft_s=self.max_ttft_s, max_gap_s=self.max_gap_s,
+                 baseline_max_gap_s=self.baseline_max_gap_s,
+                 failed_requests=self.failed_requests, retried_requests=0)
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ClientView:
+        names = {f.name for f in fields(StreamView)}
+
+        def streams(key: str) -> list[StreamView]:
+            return [StreamView(**{k: v for k, v in s.items() if k in names})
+                    for s in raw.get(key) or []]
+
+        return cls(api=str(raw.get("api", "")), run=streams("run"),
+                   baseline=streams("baseline"))
+
+
 class Verdict(str, enum.Enum):
     PASS = "pass"
     FAIL = "fail"
@@ -218,6 +287,9 @@ class ScenarioResult:
     #: and its workload's sampling (max_tokens, temperature, top_p, seed).
     engine: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
+    #: A serve scenario's client view (time to first token, token gaps, failed requests);
+    #: ``None`` for an offline run.
+    client: ClientView | None = None
 
     @property
     def tokens_compared(self) -> int:
@@ -250,4 +322,5 @@ class ScenarioResult:
         d["tokens_compared"] = self.tokens_compared
         d["reinferences"] = self.reinferences
         d["recovery_s"] = self.recovery_s
+        d["client"] = self.client.to_dict() if self.client is not None else None
         return d

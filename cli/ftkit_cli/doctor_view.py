@@ -19,7 +19,8 @@ def _yes_no(value: bool) -> Text:
 
 
 class DoctorReport:
-    """Platform and versions, then the fault kinds, then the recovery steps; problems last."""
+    """Platform and versions, then the fault kinds, the recovery steps and serving; problems
+    last."""
 
     def __init__(self, diagnosis: Diagnosis) -> None:
         self.diagnosis = diagnosis
@@ -29,6 +30,7 @@ class DoctorReport:
         yield self._environment()
         yield self._faults()
         yield self._recovery()
+        yield self._serving()
         for problem in d.problems:
             yield Text(f"problem: {problem}", style="yellow")
         supported = sum(s.supported for s in d.recovery)
@@ -78,4 +80,13 @@ class DoctorReport:
         table.add_column("how, or why not", overflow="fold")
         for step in self.diagnosis.recovery:
             table.add_row(Text(step.step), _yes_no(step.supported), Text(step.detail))
+        return table
+
+    def _serving(self) -> Table:
+        table = Table(title="serving (vLLM's server with ftkit)", title_justify="left")
+        table.add_column("what", no_wrap=True)
+        table.add_column("works here", no_wrap=True)
+        table.add_column("how, or why not", overflow="fold")
+        for row in self.diagnosis.serving:
+            table.add_row(Text(row.what), _yes_no(row.works), Text(row.detail))
         return table

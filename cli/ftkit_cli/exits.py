@@ -44,7 +44,8 @@ OTHER_COMMANDS_EXIT = (
     "rendered, 2 when it cannot be read or a report cannot be written. doctor: 0, or 1 when "
     "--expect-platform names another platform. list, schema: 0. explore: 0 when no failure "
     "was found, 1 when one was, 2 on bad usage or a report that cannot be written, 130 when "
-    "interrupted."
+    "interrupted. serve: 2 when a check of the server's options fails, otherwise the "
+    "server's own exit status."
 )
 
 

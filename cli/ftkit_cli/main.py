@@ -1,7 +1,7 @@
 """The ``ftkit`` command line.
 
 Commands: ``run``, ``explore`` (a chaos search), ``report``, ``validate``, ``schema``,
-``list``, ``doctor``, ``model build``.
+``list``, ``doctor``, ``model build``, ``serve`` (vLLM's server with recovery).
 
 The exit codes (a script may rely on them) are ``EXIT_CODES`` and ``OTHER_COMMANDS_EXIT`` in
 ``ftkit_cli.exits``, which ``ftkit --help`` and ``ftkit run --help`` show: ``ftkit run`` exits
@@ -26,9 +26,11 @@ from ftkit_cli.consoles import print_error as _print_error
 from ftkit_cli.consoles import stderr_console as _stderr
 from ftkit_cli.consoles import stdout_console as _stdout
 from ftkit_cli.explore import explore_command
+from ftkit_cli.inject_cmd import inject_command
 from ftkit_cli.exits import (EXIT_FAILED, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK,
                              EXIT_USAGE, exit_code, exit_codes_help)
 from ftkit_cli.render import VerdictReport
+from ftkit_cli.serve_cmd import serve_command
 from ftkit_cli.run import (HTML_HELP, JUNIT_HELP, parse_overrides, run_command, set_options,
                            write_reports)
 from ftkit_cli.select import name_matcher
@@ -55,6 +57,8 @@ def ftkit() -> None:
 
 ftkit.add_command(run_command)
 ftkit.add_command(explore_command)
+ftkit.add_command(serve_command)
+ftkit.add_command(inject_command)
 
 
 # --- report ---------------------------------------------------------------------------------

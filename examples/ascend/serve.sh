@@ -40,9 +40,12 @@ settings=$(printf '{"fault_tolerance": {"enabled": true, "max_reinference": %d, 
 # Stop here, with the reason, unless vLLM sees the NPUs and ftkit's Ascend backend is usable.
 ftkit doctor --expect-platform npu
 
-# Asynchronous scheduling overlaps steps, so a failed step could not be re-run alone.
+# Asynchronous scheduling overlaps steps, so a failed step could not be re-run alone; a
+# compiled graph (vLLM's default without --enforce-eager) blocks in collectives ftkit cannot
+# stop.
 exec vllm serve "$model" \
     --tensor-parallel-size "$tensor_parallel" \
     --no-async-scheduling \
+    --enforce-eager \
     --additional-config "$settings" \
     "$@"

@@ -28,6 +28,17 @@ class PlannedFault:
     spec: FaultSpec
     #: Failing attempts that already fired before the engine restarted.
     fired: int = 0
+    #: A fault planned in a live server (``ftkit inject``) names its request by the id its
+    #: client sent (``X-Request-Id``), not by an index into a workload: ``spec.at.token`` is
+    #: then that request's output token and ``spec.at.request`` is unused.
+    request_key: str | None = None
+    #: ... or fires in the engine step that runs ``after_steps`` steps after the one that
+    #: follows its arrival (0: the next step), whatever that step computes.
+    after_steps: int | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.request_key is not None or self.after_steps is not None
 
     def on_rank(self, rank: int) -> bool:
         return self.spec.rank == "all" or self.spec.rank == rank
@@ -56,7 +67,8 @@ class FaultPlan:
     def to_json(self) -> str:
         return json.dumps({
             "v": VERSION, "run_id": self.run_id, "max_reinference": self.max_reinference,
-            "faults": [{"index": f.index, "fired": f.fired,
+            "faults": [{"index": f.index, "fired": f.fired, "request_key": f.request_key,
+                        "after_steps": f.after_steps,
                         "spec": f.spec.model_dump(mode="json")} for f in self.faults],
         })
 
@@ -68,5 +80,6 @@ class FaultPlan:
                                  f"version {VERSION}")
         return cls(raw["run_id"],
                    tuple(PlannedFault(int(f["index"]), FaultSpec.model_validate(f["spec"]),
-                                      int(f["fired"])) for f in raw["faults"]),
+                                      int(f["fired"]), f.get("request_key"),
+                                      f.get("after_steps")) for f in raw["faults"]),
                    raw["max_reinference"])

@@ -55,3 +55,42 @@ def request_matcher(run_id: str, index: int) -> Callable[[str], bool]:
         return rid == prefix or rid.startswith((prefix + "-", prefix + "+"))
 
     return matches
+
+
+#: The prefix vLLM's OpenAI server gives the id of a client's request (``cmpl-``,
+#: ``chatcmpl-``), and the child prefix of one completion of a request with ``n > 1``.
+_SERVED_PREFIX_RE = re.compile(r"^(?:\d+_)?[A-Za-z]+-")
+
+
+def served_request_matches(engine_id: str, client_id: str) -> bool:
+    """Whether ``engine_id``, the id a vLLM server's engine uses for a request, is that of the
+    request a client sent with ``X-Request-Id: client_id``. The server builds it as
+    ``cmpl-<client_id>-<prompt>`` (completions) or ``chatcmpl-<client_id>`` (chat), then the
+    engine appends ``-<8 hex>``; a completion of ``n > 1`` adds ``<sample>_`` in front."""
+    m = _SERVED_PREFIX_RE.match(engine_id)
+    if m is None:
+        return False
+    rest = engine_id[m.end():]
+    return rest.startswith(client_id + "-")
+
+
+#: A served request resumed by a restarted engine (``ftkit.vllm.restart``) has the id of the
+#: original with ``+ftkit<offset>`` appended (then vLLM's own ``-<8 hex>``).
+_SERVED_RESUMED_RE = re.compile(r"\+ftkit(?P<offset>\d+)(?:-[0-9a-fA-F]+)?$")
+
+
+def served_resume_id(engine_id: str, offset: int) -> str:
+    """The id of served request ``engine_id`` resumed after ``offset`` output tokens."""
+    return f"{engine_id}+ftkit{offset}"
+
+
+def resumed_offset(req_id: str) -> int:
+    """How many output tokens the request of engine id ``req_id`` had produced before it was
+    resumed (0: not resumed), in a run of ftkit's (``<id>+<offset>``) or in a server
+    (``served_resume_id``). The workers fast-forward a resumed seeded request's generator
+    by it and show its penalties the earlier tokens as outputs."""
+    ref = parse_request_id(req_id)
+    if ref is not None:
+        return ref.offset
+    m = _SERVED_RESUMED_RE.search(req_id)
+    return int(m.group("offset")) if m else 0

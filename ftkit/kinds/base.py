@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict
 
+from ftkit.contracts.requests import request_matcher, served_request_matches
 from ftkit.errors import InjectionError
 from ftkit.faults import FaultKind
 
@@ -106,6 +107,16 @@ class Firing:
     #: The fault's params, parsed by its kind's model.
     params: Any
     step: int
+    #: A fault planned in a live server names its request by its client's id instead
+    #: (``PlannedFault.request_key``).
+    request_key: str | None = None
+
+    def request_matches(self, run_id: str | None) -> Callable[[str], bool]:
+        """A test for the engine's ids of the request the fault is planned at."""
+        if self.request_key is not None:
+            key = self.request_key
+            return lambda engine_id: served_request_matches(engine_id, key)
+        return request_matcher(run_id or "", self.request)
 
 
 class Injection:

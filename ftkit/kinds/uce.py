@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from pydantic import Field
 
-from ftkit.contracts.requests import request_matcher
 from ftkit.errors import InjectionError
 from ftkit.faults import FaultKind, UceError
 from ftkit.kinds.base import (
@@ -83,7 +82,7 @@ class CorruptMemory(Injection):
         memory = site.memory
         region_name = firing.params.region
         if region_name == "kv":
-            blocks = memory.request_blocks(request_matcher(site.run_id or "", firing.request))
+            blocks = memory.request_blocks(firing.request_matches(site.run_id))
             if not blocks:
                 raise InjectionError(f"uce: request {firing.request} holds no KV block yet")
             region, where = memory.block_region(blocks[0])

@@ -36,7 +36,7 @@ from ftkit.faults import FaultKind
 from ftkit.recovery.channel import SideChannels
 from ftkit.recovery.coordinator import Coordinator, Decision, RoundTimes
 from ftkit.recovery.damage import Repair
-from ftkit.recovery.monitor import RecoveryMonitor, RoundCallback
+from ftkit.recovery.monitor import RecoveryMonitor, RoundCallback, RoundStartCallback
 from ftkit.recovery.step_wrapper import StepState, StepWrapper
 
 
@@ -63,11 +63,13 @@ class Recovery:
 def assemble(*, rank: int, world: int, channels: SideChannels, backend: Backend,
              state: StepState, config: RecoveryConfig, hooks: list[StepHook] | None = None,
              repairs: Repairs | None = None, on_round: RoundCallback | None = None,
+             on_round_start: RoundStartCallback | None = None,
              assess: Callable[[FaultKind | None], Repair] | None = None) -> Recovery:
     """Builds and starts rank ``rank``'s recovery engine (see the module docstring).
 
     ``backend`` must already have taken over the communicators. ``assess`` says what this
-    rank's own fault destroyed (default: nothing); ``on_round`` gets every round's outcome.
+    rank's own fault destroyed (default: nothing); ``on_round_start`` gets every round's
+    epoch as this rank's part of it begins, ``on_round`` its outcome when it ends.
     With ``config.enabled`` false the hooks still run and every error surfaces unchanged.
     """
     timeout = config.round_timeout_s
@@ -89,7 +91,8 @@ def assemble(*, rank: int, world: int, channels: SideChannels, backend: Backend,
                               round_timeout_s=timeout, rebuild=rebuild)
     monitor = RecoveryMonitor(coordinator, channels,
                               stop_communication=backend.stop_communication,
-                              gate_timeout_s=gate_timeout_s(timeout), on_round=on_round)
+                              gate_timeout_s=gate_timeout_s(timeout), on_round=on_round,
+                              on_round_start=on_round_start)
     monitor.start()
     wrapper = StepWrapper(rank=rank, monitor=monitor, state=state, hooks=hooks,
                           recovery_enabled=config.enabled, is_stop_error=backend.is_stop_error,

@@ -11,8 +11,9 @@ next recovery round. When one comes it either
 The main thread passes the gate before each attempt of a step (``enter_step``) and leaves it
 when the attempt returned (``exit_step_ok``) or joins the round when it raised
 (``join_after_failure``). After a round it took part in that decided to re-run, it stays in the
-step until an attempt returns (``exit_step_ok`` again). After every round, whichever thread ran it, the round callback gets
-a ``RoundOutcome``.
+step until an attempt returns (``exit_step_ok`` again). As a round begins, whichever thread
+runs it, the round-start callback gets its epoch; after it, the round callback gets a
+``RoundOutcome``.
 
 The gate takes no lock on the fault-free path: the main thread writes that it is in a step,
 then looks whether the monitor owns a round (or failed one); the monitor, under the lock,
@@ -80,6 +81,8 @@ class RoundOutcome:
 
 
 RoundCallback = Callable[[RoundOutcome], None]
+#: Told the epoch of a round as this rank's part of it begins (either thread).
+RoundStartCallback = Callable[[int], None]
 #: Runs an idle rank's part of a round that re-runs a step from its forward pass (given the
 #: decision and what the rank reported); set by the step wrapper.
 IdleReplay = Callable[[Decision, RankStatus], None]
@@ -90,13 +93,15 @@ class RecoveryMonitor:
 
     def __init__(self, coordinator: Coordinator, channels: SideChannels, *,
                  stop_communication: Callable[[], None], gate_timeout_s: float,
-                 on_round: RoundCallback | None = None) -> None:
+                 on_round: RoundCallback | None = None,
+                 on_round_start: RoundStartCallback | None = None) -> None:
         self.coordinator = coordinator
         self._channels = channels
         #: Bound on a step's wait at the gate while the monitor runs a round.
         self.gate_timeout_s = gate_timeout_s
         self._stop_communication = stop_communication
         self._on_round = on_round
+        self._on_round_start = on_round_start
         #: The step wrapper's ``replay_when_idle`` (``None``: nothing to replay).
         self.replay_when_idle: IdleReplay | None = None
         # The lock of everything off the fault-free path (the gate's fast path takes none:
@@ -287,6 +292,11 @@ class RecoveryMonitor:
 
     def _run_round(self, channel: SideChannel, epoch: int, status: RankStatus,
                    owner: str) -> Decision:
+        if self._on_round_start is not None:
+            try:
+                self._on_round_start(epoch)
+            except Exception:  # noqa: BLE001 - recording must never break recovery
+                log.exception("ftkit: recording the start of recovery round %d failed", epoch)
         started = time.monotonic()
         wall = time.time()
         try:

@@ -69,6 +69,7 @@ from typing import Any
 from ftkit.errors import FtkitError
 from ftkit.results import (
     TOKEN_IDS,
+    ClientView,
     FaultRecord,
     FiredAt,
     RecoveryRecord,
@@ -322,6 +323,8 @@ def _scenario_from_dict(entry: Mapping[str, Any]) -> ScenarioResult:
     result.requests = [_build(RequestComparison, r) for r in entry.get("requests", [])]
     result.faults = [_fault_from_dict(f) for f in entry.get("faults", [])]
     result.recoveries = [_build(RecoveryRecord, r) for r in entry.get("recoveries", [])]
+    client = entry.get("client")
+    result.client = ClientView.from_dict(client) if isinstance(client, Mapping) else None
     return result
 
 

@@ -67,9 +67,16 @@ class ScenarioRunner:
     def run(self, scenario: Scenario, *, file: str, on_event: EventSink = ignore_events,
             fresh_engine: bool = False) -> ScenarioResult:
         """Run ``scenario`` and return its verdict. Never leaves a process behind.
-        ``fresh_engine``: run the faulty run on a new engine whatever ran before."""
+        ``fresh_engine``: run the faulty run on a new engine whatever ran before. A serve
+        scenario (``engine.mode: serve``) always runs on a server of its own."""
         started = time.monotonic()
         model_dir = str(resolve_model(scenario.engine.model))
+        if scenario.engine.mode == "serve":
+            # A server of its own, its fault-free run on it first (ftkit.runner.serve).
+            from ftkit.runner.serve import run_serve_scenario
+
+            return run_serve_scenario(scenario, file=file, model_dir=model_dir,
+                                      on_event=on_event)
         deadline = started + scenario.expect.timeout_s
         baseline = self.baseline_for(scenario, model_dir, on_event=on_event, deadline=deadline)
         recovery = RecoveryConfig(

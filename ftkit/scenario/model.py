@@ -52,6 +52,11 @@ Outcome = Literal["recovered", "failed"]
 TokenExpectation = Literal["identical", "prefix"]
 #: The dtypes vLLM's ``--dtype`` accepts.
 Dtype = Literal["auto", "float32", "float", "float16", "half", "bfloat16"]
+#: How a scenario drives its engine: ``offline`` (vLLM's ``LLM`` in an engine host) or
+#: ``serve`` (vLLM's OpenAI server with ftkit's plugin, driven by streaming clients).
+EngineMode = Literal["offline", "serve"]
+#: The OpenAI API a serve scenario's clients call.
+ServeApi = Literal["completions", "chat"]
 
 
 def _one_rank_error(value: Any, handler: Any) -> Any:
@@ -101,6 +106,12 @@ class EngineSpec(_Strict):
                             description="KV cache block size in tokens (vLLM's `block_size`); "
                                         "vLLM's CPU backend needs a multiple of 32")
     seed: int = Field(0, description="the engine's random seed (vLLM's `seed`)")
+    mode: EngineMode = Field("offline",
+                             description="`offline`: the workload runs on vLLM's `LLM` in an "
+                                         "engine host; `serve`: on vLLM's OpenAI server with "
+                                         "ftkit's plugin, driven by streaming `openai` "
+                                         "clients, faults planned through its injection "
+                                         "route (format 1.1)")
     args: dict[str, JsonValue] = Field(default_factory=dict,
                                        description="further keyword arguments of vLLM's "
                                                    "`LLM`, passed through unchanged; they "
@@ -251,6 +262,14 @@ class WorkloadSpec(_Strict):
                                                  "for every request (format 1.1); "
                                                  "`max_tokens`, `temperature`, `top_p` and "
                                                  "`seed` are the workload's own fields above")
+    api: ServeApi = Field("completions",
+                          description="with `engine.mode: serve`: the OpenAI API the clients "
+                                      "call, `completions` (each prompt as the prompt) or "
+                                      "`chat` (each prompt as one user message)")
+    background_streams: int = Field(0, ge=0,
+                                    description="with `engine.mode: serve`: extra streams "
+                                                "sent beside the requests, as load; their "
+                                                "outputs are not compared")
 
     def prompt_count(self) -> int:
         """How many requests the workload sends (0 only if no prompt source is set)."""
@@ -409,7 +428,9 @@ class Scenario(_Strict):
         ``model`` is the spec as written ("tiny" or a path); a cache should add what the
         spec resolves to (the tiny model's recipe digest, a directory's contents).
         """
-        return self.engine.model_dump(mode="json")
+        # An offline engine's key is what it was before `mode` existed (cached baselines stay).
+        return self.engine.model_dump(mode="json",
+                                      exclude={"mode"} if self.engine.mode == "offline" else None)
 
     def workload_key(self) -> dict[str, Any]:
         """The requests that decide the fault-free tokens, prompts generated, as JSON types.

@@ -14,7 +14,11 @@ killed once, a KV UCE hits a request that holds KV, ...); an expected recovery i
 (recovery enabled and ``times <= max_reinference``); expected identical tokens can be
 reproduced (every randomly sampled request has a seed); and, with recovery on,
 ``engine.args`` turn on nothing that ftkit cannot recover (pipeline, data or expert
-parallelism, speculative decoding, asynchronous scheduling).
+parallelism, speculative decoding, asynchronous scheduling). Last, the serving rules
+(``_serve_problems``): ``workload.api`` and ``workload.background_streams`` need
+``engine.mode: serve``; a serve scenario runs with recovery on, kills no process (a server does
+not survive it yet) and asks for no field its streaming clients do not compare (``n``,
+``logprobs``, ``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def problems(scenario: Scenario) -> list[Problem]:
         found += _reproducibility_problems(scenario)
     found += _engine_problems(scenario)
     found += _bounds_problems(scenario)
+    if workload_sound:
+        found += _serve_problems(scenario)
     return found
 
 
@@ -310,4 +316,45 @@ def _bounds_problems(scenario: Scenario) -> list[Problem]:
                           f"({DEFAULT_OP_TIMEOUT_S:g} s default operator timeout + "
                           f"{engine.round_s:g} s round) needs): lower params.op_timeout_s or "
                           f"times, or set {VLLM_EXECUTE_TIMEOUT_ENV}={need.needed_s} or more"))
+    return found
+
+
+#: Sampling fields a serve scenario's clients cannot compare: a stream carries one completion
+#: and the sampled token's logprob (``ftkit.runner.serve``).
+_SERVE_UNCOMPARED = {
+    "n": "each stream carries one completion",
+    "logprobs": "the clients compare the sampled token's logprob only",
+    "prompt_logprobs": "the streams carry no prompt logprobs",
+}
+
+
+def _serve_problems(scenario: Scenario) -> list[Problem]:
+    """The rules of ``engine.mode: serve`` (and of its fields in an offline scenario)."""
+    workload = scenario.workload
+    if scenario.engine.mode != "serve":
+        return [(("workload", name), f"workload.{name} applies to a server's clients: set "
+                                     f"engine.mode serve, or remove it")
+                for name in ("api", "background_streams") if name in workload.model_fields_set]
+    found: list[Problem] = []
+    if not scenario.recovery.enabled:
+        found.append((("recovery", "enabled"),
+                      "a serve scenario plans its faults through the server's injection "
+                      "route, which needs recovery on: set recovery.enabled true (or "
+                      "engine.mode offline)"))
+    for index, fault in enumerate(scenario.faults):
+        if kind_spec(fault.kind).ends_process:
+            found.append((("faults", index, "kind"),
+                          f"{fault.kind} cannot be injected into a server yet (the injector "
+                          f"kills only in engines ftkit started itself): use engine.mode "
+                          f"offline for it; a server with fault_tolerance.max_restarts "
+                          f"survives a kill from outside (docs/serving.md)"))
+    spec = scenario.sampling_spec()
+    for index in range(workload.prompt_count()):
+        kwargs = spec.for_request(index)
+        for name, why in _SERVE_UNCOMPARED.items():
+            if kwargs.get(name) not in (None, 1 if name == "n" else None):
+                problem = (_where_set(workload, index, name),
+                           f"{name} is not supported with engine.mode serve: {why}")
+                if problem not in found:
+                    found.append(problem)
     return found

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +54,23 @@ ENGINE_ENV = {
     # the fault-free run and the recovered one alike (tests/vllm/test_kv_loss_features.py).
     "VLLM_CPU_ATTN_SPLIT_KV": "0",
 }
+
+
+#: How vLLM's CPU build binds each rank's OpenMP threads to cores ("0|1": rank 0 on core 0,
+#: rank 1 on core 1). Unset, vLLM binds each rank to a NUMA node of its own, and an engine of
+#: more ranks than the machine has NUMA nodes fails to start ("Not enough allowed NUMA nodes").
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_bind(tp: int, cores: Collection[int]) -> str:
+    """The ``THREADS_BIND_ENV`` value for a CPU engine of ``tp`` ranks on ``cores`` (those this
+    process may run on): one core per rank, in core order, where there are enough (far faster
+    than no binding on two cores); ranks share cores round-robin where there are not;
+    ``nobind`` without any core."""
+    ordered = sorted(cores)
+    if not ordered:
+        return "nobind"
+    return "|".join(str(ordered[i % len(ordered)]) for i in range(tp))
 
 
 def effective_engine_env() -> dict[str, str]:
@@ -181,7 +198,7 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
     removes whole. The compiled-kernel cache of torch's inductor stays where it was, shared
     by every engine."""
     saved = {k: os.environ.get(k) for k in [*ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING",
-                                             "VLLM_CPU_OMP_THREADS_BIND", "TMPDIR",
+                                             THREADS_BIND_ENV, "TMPDIR",
                                              "TORCHINDUCTOR_CACHE_DIR",
                                              VLLM_EXECUTE_TIMEOUT_ENV]}
     saved_tempdir = tempfile.tempdir
@@ -197,11 +214,8 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
         # An in-process engine started earlier in this process pinned it to one core; the
         # workers would inherit that pin and share the core. Give them every core again.
         me.cpu_affinity([])
-    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        cores = sorted(os.sched_getaffinity(0))
-        # One core per rank where there are enough (far faster than no binding on 2 cores).
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
-            "|".join(str(cores[i % len(cores)]) for i in range(tp)) if cores else "nobind")
+    if tp > 1 and THREADS_BIND_ENV not in os.environ:
+        os.environ[THREADS_BIND_ENV] = cpu_threads_bind(tp, os.sched_getaffinity(0))
     timeout = execute_timeout(recovery, tp)
     if timeout is not None and timeout.short:
         os.environ[VLLM_EXECUTE_TIMEOUT_ENV] = str(timeout.seconds)

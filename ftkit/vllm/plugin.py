@@ -22,6 +22,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any
 
@@ -41,8 +42,10 @@ def register() -> None:
     """
     from vllm.v1.worker import worker_base
 
+    _log_like_vllm()
     _hide_key_from_vllm_ascend()
     _raise_execute_timeout_as_executors_start()
+    _restart_dead_engines_in_servers()
     original = worker_base.WorkerBase.__init__
     if getattr(original, WRAPPED_MARK, False):
         return
@@ -54,6 +57,48 @@ def register() -> None:
 
     setattr(__init__, WRAPPED_MARK, True)
     worker_base.WorkerBase.__init__ = __init__
+
+
+class _ToVllmHandlers(logging.Handler):
+    """Hands ftkit's records to vLLM's own log handlers, so that they show in a server's
+    output as vLLM's do (its format: process name and pid, ``(Worker_TP1 pid=...)`` in a
+    worker, level, time, file and line). Only while the root logger has no handler: where an
+    application configured logging, ftkit's records reach it by propagation instead, so that
+    no line shows twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        handlers = logging.getLogger("vllm").handlers or [logging.lastResort]
+        for handler in handlers:
+            if handler is not None and record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _log_like_vllm() -> None:
+    """Give the ``ftkit`` logger vLLM's handlers in this process (idempotent). Without them
+    its records reach only Python's last-resort handler: warnings unformatted, info lost. Left
+    alone where vLLM does not configure logging (``VLLM_CONFIGURE_LOGGING=0``)."""
+    # (vLLM may add its handlers only after it loaded its plugins: the handler looks them up
+    # as it emits.)
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0" \
+            or any(isinstance(h, _ToVllmHandlers) for h in log.handlers):
+        return
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    log.addHandler(_ToVllmHandlers())
+
+
+def _restart_dead_engines_in_servers() -> None:
+    """In a process that imported vLLM's entry points (a server's API process, or one that uses
+    ``vllm.LLM``), let an engine with
+    ``max_restarts`` be replaced when it dies (``ftkit.vllm.restart``). Engine cores and
+    workers import no entry point, and need nothing of it."""
+    if not any(name.startswith("vllm.entrypoints") for name in list(sys.modules)):
+        return
+    from ftkit.vllm import restart
+
+    restart.install()
 
 
 def _raise_execute_timeout_as_executors_start() -> None:
@@ -152,7 +197,11 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     config = recovery_settings(vllm_config)
     if config is None:
         return None
+    from ftkit.vllm.runner_state import check_config
     from ftkit.vllm.worker import FtkitWorker
+
+    if config.enabled:
+        check_config(vllm_config)  # settings recovery cannot handle: the engine does not start
 
     ftkit_worker = FtkitWorker(worker, vllm_config, config)
     worker._ftkit = ftkit_worker
@@ -163,4 +212,5 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     worker.ftkit_set_fault_plan = ftkit_worker.set_fault_plan
     worker.ftkit_transport_counts = ftkit_worker.transport_counts
     worker.ftkit_settle = ftkit_worker.settle
+    worker.ftkit_add_live_faults = ftkit_worker.add_live_faults
     return ftkit_worker

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ftkit.contracts.requests import parse_request_id
+from ftkit.contracts.requests import resumed_offset
 
 log = logging.getLogger("ftkit")
 
@@ -65,10 +65,10 @@ def fast_forward(runner: Any, done: dict[str, Any]) -> list[str]:
         gen = batch.generators.get(index)
         if gen is None or done.get(req_id) is gen:
             continue
-        ref = parse_request_id(req_id)
-        if ref is None or ref.offset == 0:
+        offset = _resumed_offset(req_id)
+        if offset == 0:
             continue
-        _replay_draws(runner, gen, ref.offset)
+        _replay_draws(runner, gen, offset)
         done[req_id] = gen
         advanced.append(req_id)
     return advanced
@@ -115,8 +115,7 @@ def earlier_outputs(runner: Any, outputs: list[list[int]]) -> list[list[int]] | 
 
 @functools.lru_cache(maxsize=4096)
 def _resumed_offset(req_id: str) -> int:
-    ref = parse_request_id(req_id)
-    return ref.offset if ref is not None else 0
+    return resumed_offset(req_id)
 
 
 def park_discarded_generators(runner: Any) -> dict[int, Any] | None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -82,6 +83,33 @@ def check_supported(runner: Any) -> None:
     """Refuse, at start, configurations whose step state this module cannot restore or whose
     collectives ftkit cannot stop; every problem names the setting that removes it (the
     Python engine argument, then the ``vllm serve`` flag or the environment variable)."""
+    problems = config_problems(runner)
+    if not hasattr(runner, "input_batch") or not hasattr(runner, "requests"):
+        kind = type(runner)
+        problems.append(f"model runner {kind.__module__}.{kind.__qualname__} is not vLLM's V1 "
+                        "runner (on GPU vLLM defaults to its V2 runner: set the environment "
+                        "variable VLLM_USE_V2_MODEL_RUNNER=0)")
+    _refuse(problems)
+
+
+def check_config(vllm_config: Any) -> None:
+    """``check_supported``'s checks that a ``VllmConfig`` answers, as the worker is created
+    (before the engine loads the model): a server started with settings recovery cannot
+    handle does not start."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device", None)
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    view = SimpleNamespace(
+        use_async_scheduling=getattr(scheduler, "async_scheduling", False),
+        parallel_config=getattr(vllm_config, "parallel_config", None),
+        speculative_config=getattr(vllm_config, "speculative_config", None),
+        compilation_config=getattr(vllm_config, "compilation_config", None),
+        device=device if hasattr(device, "type") else None)
+    _refuse(config_problems(view))
+
+
+def config_problems(runner: Any) -> list[str]:
+    """What ``check_supported`` refuses that the configuration says (``runner``: a model
+    runner, or anything with its configuration attributes)."""
     problems = []
     scheduler = getattr(runner, "scheduler_config", None)
     if getattr(runner, "use_async_scheduling", getattr(scheduler, "async_scheduling", False)):
@@ -100,18 +128,25 @@ def check_supported(runner: Any) -> None:
     if getattr(runner, "speculative_config", None) is not None:
         problems.append("speculative decoding is on (leave speculative_config unset; "
                         "vllm serve without --speculative-config)")
-    if not hasattr(runner, "input_batch") or not hasattr(runner, "requests"):
-        kind = type(runner)
-        problems.append(f"model runner {kind.__module__}.{kind.__qualname__} is not vLLM's V1 "
-                        "runner (on GPU vLLM defaults to its V2 runner: set the environment "
-                        "variable VLLM_USE_V2_MODEL_RUNNER=0)")
     device = getattr(runner, "device", None)
-    mode = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
+    compilation = getattr(runner, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
     if getattr(device, "type", None) == "cuda" and mode is not None \
             and getattr(mode, "name", str(mode)) != "NONE":
         problems.append("CUDA graphs are on (set enforce_eager=True; vllm serve "
                         "--enforce-eager): ftkit waits for every collective on the host, "
                         "which a captured graph cannot do")
+    compiled = getattr(compilation, "mode", None)
+    if int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1 and compiled is not None \
+            and getattr(compiled, "name", str(compiled)) != "NONE":
+        problems.append("the model runs compiled by torch.compile (set enforce_eager=True; "
+                        "vllm serve --enforce-eager): a rank blocked in a collective inside "
+                        "the compiled graph cannot be stopped, so a peer's fault there is not "
+                        "recovered")
+    return problems
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         raise FtkitError("ftkit recovery does not support this vLLM configuration: "
                          + "; ".join(problems))

@@ -15,7 +15,15 @@ from typing import Any
 
 from ftkit.backends.platforms import backend_class
 from ftkit.config import RecoveryConfig
-from ftkit.contracts.eventlog import EventLog, KvRecomputed, ParamsReloaded, RecoveryRound
+from ftkit.contracts.eventlog import (
+    Event,
+    EventLog,
+    FaultFired,
+    KvRecomputed,
+    ParamsReloaded,
+    RecoveryRound,
+    StepRecovered,
+)
 from ftkit.contracts.plan import FaultPlan
 from ftkit.errors import FtkitError
 from ftkit.inject import Injector
@@ -29,6 +37,7 @@ from ftkit.recovery import (
     assess_damage,
     side_channels,
 )
+from ftkit.serve.state import RankPublisher
 from ftkit.vllm.kv_recompute import RecomputeReport
 from ftkit.vllm.memory import RunnerMemory
 from ftkit.vllm.plugin import STEP_METHODS, bind_step_method
@@ -53,7 +62,14 @@ class FtkitWorker:
         self.vllm_config = vllm_config
         self.config = config
         self.rank = int(getattr(worker, "rank", 0))
-        self.events = EventLog(self.rank, config.event_log_dir)
+        #: Publishes this rank's counts for a server's health view and metrics
+        #: (``ftkit.serve.state``): only on events, only where the API server made the state
+        #: directory of this instance (an offline engine has none).
+        instance_id = str(getattr(vllm_config, "instance_id", "") or "")
+        self.publisher = (RankPublisher.for_instance(instance_id, self.rank)
+                          if config.enabled and instance_id else None)
+        self.events = (EventLog(self.rank, config.event_log_dir) if self.publisher is None
+                       else _PublishingEventLog(self.rank, config.event_log_dir, self.publisher))
         self.recovery: Recovery | None = None
         #: The wrapper of this worker's step RPCs, built at the first step.
         self.step_wrapper: StepWrapper | None = None
@@ -103,6 +119,33 @@ class FtkitWorker:
                 raise FtkitError(f"max_reinference must be an integer >= 0, got "
                                  f"{max_reinference!r}")
             self.coordinator.max_reinference = max_reinference
+
+    def add_live_faults(self, plan_json: str, check_only: bool = False) -> dict[str, Any]:
+        """Add the live faults of a ``FaultPlan`` (its ``to_json``) that ``ftkit inject``
+        planned in a running server; the faults already pending stay. Reached through
+        ``collective_rpc`` (``ftkit_add_live_faults``) from ftkit's server route
+        (``ftkit.serve.control``), so every rank gets them between the same two steps.
+        Refused unless this engine's settings say ``injection: true``. Answers
+        ``{"rank", "error"}`` (``error``: ``None`` when planned) rather than raising, so a
+        refused fault never reaches vLLM as a failed call. ``check_only``: only whether this
+        rank could inject them (the route asks every rank before any rank keeps them)."""
+        if not self.config.injection:
+            return {"rank": self.rank, "error": "injection is not enabled in this engine's "
+                                                "fault_tolerance settings"}
+        try:
+            plan = FaultPlan.from_json(plan_json)
+            self._ready()
+            assert self.injector is not None and self.step_wrapper is not None
+            self.injector.add_live(plan, check_only=check_only)
+            if check_only:
+                return {"rank": self.rank, "error": None}
+            self._register_injection_hooks()
+            self.step_wrapper.hooks_changed()
+        except FtkitError as exc:
+            return {"rank": self.rank, "error": str(exc)}
+        log.warning("ftkit: rank %d planned %d live fault(s) from ftkit inject", self.rank,
+                    len(plan.faults))
+        return {"rank": self.rank, "error": None}
 
     def settle(self) -> None:
         """Return once this rank is quiet: every step RPC it was sent has returned (the call
@@ -174,6 +217,7 @@ class FtkitWorker:
             rank=self.rank, world=world, channels=side_channels(store), backend=self.backend,
             state=state, config=self.config, hooks=[self.injector], repairs=repairs,
             on_round=self._record_round,
+            on_round_start=self.publisher.round_started if self.publisher is not None else None,
             assess=lambda kind: assess_damage(kind, self.backend, memory))
         self.coordinator = self.recovery.coordinator
         return self.recovery.wrapper
@@ -217,6 +261,29 @@ class FtkitWorker:
             statuses_s=times.statuses_s, rebuild_s=times.rebuild_s,
             peers_done_s=times.peers_done_s, device_s=times.device_s, comms_s=times.comms_s,
             repair_s=times.repair_s))
+
+
+class _PublishingEventLog(EventLog):
+    """A server's rank's event log: every event it writes is counted in the rank's published
+    state too (``ftkit.serve.state``). Events come only with faults: a fault-free step writes
+    nothing."""
+
+    def __init__(self, rank: int, directory: str | None, publisher: RankPublisher) -> None:
+        super().__init__(rank, directory)
+        self.publisher = publisher
+
+    def emit(self, event: Event) -> Event:
+        event = super().emit(event)
+        publisher = self.publisher
+        if isinstance(event, FaultFired):
+            publisher.fault_fired(event.kind)
+        elif isinstance(event, RecoveryRound):
+            publisher.round_ended(event.decision, event.duration_s)
+        elif isinstance(event, StepRecovered):
+            publisher.step_reinferred()
+        elif isinstance(event, KvRecomputed):
+            publisher.kv_recomputed()
+        return event
 
 
 def _own_engine_process() -> bool:

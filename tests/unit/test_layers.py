@@ -47,6 +47,9 @@ LEAF_MODULES: dict[str, str] = {
     "ftkit.vllm.sampling": "vLLM's judgement of a request's sampling fields, asked by the "
                            "scenario rules at validation (scenario -> vllm.sampling), while the "
                            "rest of ftkit.vllm builds engines from the scenario's EngineSpec",
+    "ftkit.serve.state": "the state a server's workers publish for its API server: written by "
+                         "the workers (vllm.worker -> serve.state) and read by the server's "
+                         "routes, while ftkit.serve's launcher builds on ftkit.vllm",
 }
 
 

@@ -226,3 +226,19 @@ def test_pipeline_parallelism_is_refused_at_start():
     r.parallel_config = SimpleNamespace(pipeline_parallel_size=2)
     with pytest.raises(FtkitError, match="pipeline_parallel_size=1"):
         check_supported(r)
+
+
+@pytest.mark.parametrize(("tp", "mode", "refused"), [
+    (2, "VLLM_COMPILE", True), (2, "NONE", False), (1, "VLLM_COMPILE", False)])
+def test_a_compiled_model_is_refused_where_ranks_share_collectives(tp, mode, refused):
+    """Measured under vllm serve (vLLM compiles the model by default): a rank blocked in a
+    collective inside the compiled graph is never stopped, and a peer's device reset ends the
+    engine after the round's timeout. One rank has no collective to block in."""
+    r = runner({}, Batch([], []))
+    r.parallel_config = SimpleNamespace(tensor_parallel_size=tp)
+    r.compilation_config = SimpleNamespace(mode=SimpleNamespace(name=mode), cudagraph_mode=None)
+    if refused:
+        with pytest.raises(FtkitError, match="enforce_eager=True; vllm serve --enforce-eager"):
+            check_supported(r)
+    else:
+        check_supported(r)

@@ -1,0 +1,241 @@
+"""ftkit's routes in a running vLLM server: ``POST /ftkit/inject`` plans a fault in it.
+
+The control path. vLLM (0.32) offers *endpoint plugins* (entry point group
+``vllm.endpoint_plugins``): routes a package adds to the OpenAI API server, loaded only where the
+operator names the plugin in ``VLLM_PLUGINS``. ftkit registers one, ``ftkit`` (the name of its
+general plugin too, so ``VLLM_PLUGINS`` either allows both or neither). Its route hands the fault
+to every worker with the engine's own ``collective_rpc``, calling the one method ftkit's general
+plugin adds to each worker, ``ftkit_add_live_faults``: the engine core sends it to all ranks
+between two steps, so every rank sees the fault from the same step on.
+
+Why it is safe. Nothing else is opened: not vLLM's development route (``/collective_rpc``, which
+runs any worker method), no new port, no second process. Injection needs three things at once:
+
+* the operator loaded the plugin (``VLLM_PLUGINS`` names ``ftkit``); otherwise the route does
+  not exist;
+* the server's settings say ``"injection": true`` inside ``fault_tolerance``; otherwise every
+  attempt is refused (403) before the engine is reached, and the workers, which read the same
+  settings, refuse the call as well;
+* the request carries the shared secret of the server's ``FTKIT_INJECT_SECRET`` (header
+  ``X-Ftkit-Secret``, compared in constant time); a server with injection on and no secret of
+  at least 16 characters refuses to start.
+
+A refused attempt changes nothing. An accepted one is checked by every rank before any rank
+keeps it (a fault one rank cannot inject is planned on none), and logged by the server and by
+each rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from ftkit.config import CONFIG_KEY, RecoveryConfig
+from ftkit.contracts.plan import FaultPlan, PlannedFault
+from ftkit.errors import FtkitError
+from ftkit.scenario.model import FaultSpec
+
+log = logging.getLogger("ftkit")
+
+#: The server's environment variable that holds the shared secret; ``ftkit inject`` reads the
+#: same one.
+SECRET_ENV = "FTKIT_INJECT_SECRET"
+#: The request header that carries it.
+SECRET_HEADER = "X-Ftkit-Secret"
+#: The shortest secret a server accepts.
+MIN_SECRET_CHARS = 16
+INJECT_PATH = "/ftkit/inject"
+#: The worker method the route calls on every rank (``FtkitWorker.add_live_faults``).
+RPC_METHOD = "ftkit_add_live_faults"
+#: Bound on the engine's answer. The call waits behind the step that runs (vLLM's own bound on
+#: a step is ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, raised for recovery); a step that outlasts
+#: this one is in a long recovery, and the client is told to try again.
+RPC_TIMEOUT_S = 60.0
+
+#: The keys a fault's JSON may have.
+FAULT_KEYS = ("kind", "rank", "phase", "times", "params", "request_id", "token", "after_steps")
+
+
+class Refused(FtkitError):
+    """An injection this server does not accept (HTTP 403): nothing was changed."""
+
+
+class BadFault(FtkitError):
+    """A fault that cannot be planned as given (HTTP 400): nothing was changed."""
+
+
+class EngineUnavailable(FtkitError):
+    """The engine did not answer (HTTP 503): nothing was planned."""
+
+
+def live_fault(body: Any, index: int, world_size: int) -> PlannedFault:
+    """The fault a request's JSON ``body`` describes, as fault ``index`` of the server's live
+    plan; ``BadFault`` naming the field that is wrong."""
+    if not isinstance(body, Mapping):
+        raise BadFault("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(FAULT_KEYS))
+    if unknown:
+        raise BadFault(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(FAULT_KEYS)}")
+    key, token, after = body.get("request_id"), body.get("token"), body.get("after_steps")
+    if (key is None) == (after is None):
+        raise BadFault("give either request_id (with token) or after_steps")
+    if key is not None:
+        if not isinstance(key, str) or not key:
+            raise BadFault("request_id must be a non-empty string (the client's X-Request-Id)")
+        if token is None:
+            raise BadFault("request_id needs token: the output token (0 = prefill) the fault "
+                           "hits")
+    elif token is not None:
+        raise BadFault("token goes with request_id; after_steps names a step by itself")
+    if after is not None and (isinstance(after, bool) or not isinstance(after, int)
+                              or after < 0):
+        raise BadFault("after_steps must be an integer >= 0")
+    raw = {k: body[k] for k in ("kind", "rank", "phase", "times", "params") if k in body}
+    raw["at"] = {"request": 0, "token": 0 if token is None else token}
+    try:
+        spec = FaultSpec.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                             for e in exc.errors())
+        raise BadFault(problems) from None
+    if spec.rank != "all" and spec.rank >= world_size:
+        raise BadFault(f"rank: {spec.rank} is not a rank of this engine (it has {world_size})")
+    from ftkit.inject import _pending
+
+    planned = PlannedFault(index, spec, request_key=key, after_steps=after)
+    try:
+        pending = _pending(planned)  # the kind is implemented and its params are right
+    except FtkitError as exc:
+        raise BadFault(str(exc)) from None
+    if after is not None and getattr(pending.params, "region", None) == "kv":
+        raise BadFault(f"{spec.kind.value} on the KV cache hits the blocks of a request: give "
+                       f"request_id and token, or another params.region")
+    return planned
+
+
+def describe(fault: PlannedFault) -> dict[str, Any]:
+    """What was planned, as the route answers it."""
+    spec = fault.spec
+    where: dict[str, Any] = (
+        {"request_id": fault.request_key, "token": spec.at.token}
+        if fault.request_key is not None else {"after_steps": fault.after_steps})
+    return {"index": fault.index, "kind": spec.kind.value, "rank": spec.rank,
+            "phase": spec.phase, "times": spec.times, "params": dict(spec.params), **where}
+
+
+@dataclass
+class Control:
+    """The injection state of one server: its settings, its secret, the faults it planned."""
+
+    engine_client: Any
+    config: RecoveryConfig | None
+    secret: str | None
+    world_size: int = 1
+    planned: int = 0
+
+    def __post_init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def of_server(cls, engine_client: Any, additional_config: Mapping[str, Any] | None,
+                  environ: Mapping[str, str] = os.environ) -> Control:
+        """The control of a server started with ``additional_config``; ``FtkitError`` (the
+        server does not start) where injection is on without a usable secret."""
+        raw = (additional_config or {}).get(CONFIG_KEY)
+        config = None if raw is None else RecoveryConfig.from_mapping(raw)
+        secret = environ.get(SECRET_ENV) or None
+        if config is not None and config.injection:
+            if not config.enabled:
+                raise FtkitError(f"{CONFIG_KEY}.injection needs {CONFIG_KEY}.enabled: true "
+                                 f"(faults are injected by the recovery engine)")
+            if secret is None or len(secret) < MIN_SECRET_CHARS:
+                raise FtkitError(
+                    f"{CONFIG_KEY}.injection is true but {SECRET_ENV} is "
+                    f"{'unset' if secret is None else 'too short'}: set it in the server's "
+                    f"environment to a secret of at least {MIN_SECRET_CHARS} characters")
+        parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+        return cls(engine_client, config, secret, int(getattr(parallel, "world_size", 1)))
+
+    @property
+    def enabled(self) -> bool:
+        return self.config is not None and self.config.injection
+
+    def check_secret(self, presented: str | None) -> None:
+        """``Refused`` unless this server takes faults and ``presented`` is its secret."""
+        if self.config is None:
+            raise Refused(f"this server runs without ftkit's {CONFIG_KEY} settings; injection "
+                          f"is off")
+        if not self.config.injection:
+            raise Refused(f"injection is off on this server: its {CONFIG_KEY} settings do not "
+                          f'say "injection": true')
+        assert self.secret is not None  # of_server refuses to start without one
+        if presented is None or not hmac.compare_digest(presented.encode(),
+                                                        self.secret.encode()):
+            raise Refused(f"wrong or missing secret (header {SECRET_HEADER}; ftkit inject "
+                          f"reads {SECRET_ENV} or --secret)")
+
+    async def inject(self, body: Any, presented: str | None) -> dict[str, Any]:
+        """Plan the fault of ``body`` on every rank; what was planned. ``Refused``,
+        ``BadFault`` or ``EngineUnavailable`` when nothing was planned."""
+        self.check_secret(presented)
+        if self.engine_client is None:
+            raise EngineUnavailable("this server has no engine")
+        async with self._lock:  # indices in order; the check and the plan are not interleaved
+            fault = live_fault(body, self.planned, self.world_size)
+            plan = FaultPlan(None, (fault,)).to_json()
+            errors = await self._call(plan, check_only=True)
+            if errors:
+                raise BadFault("; ".join(errors))
+            errors = await self._call(plan, check_only=False)
+            if errors:  # a rank that passed the check cannot fail here; say so if it does
+                raise EngineUnavailable("ranks disagreed on a checked fault: " +
+                                        "; ".join(errors))
+            self.planned += 1
+        planned = describe(fault)
+        log.warning("ftkit: planned live fault %s", planned)
+        return {"planned": planned}
+
+    async def _call(self, plan: str, *, check_only: bool) -> list[str]:
+        try:
+            answers = await asyncio.wait_for(
+                self.engine_client.collective_rpc(RPC_METHOD, args=(plan, check_only)),
+                RPC_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"the engine did not take the fault within "
+                                    f"{RPC_TIMEOUT_S:.0f} s (a long recovery may be running); "
+                                    f"nothing was planned, try again") from None
+        except Exception as exc:  # noqa: BLE001 - a dead engine, a failed call: tell the client
+            raise EngineUnavailable(f"the engine could not be reached: {exc}") from None
+        return [f"rank {a['rank']}: {a['error']}" for a in answers if a.get("error")]
+
+
+class EndpointPlugin:
+    """The ``vllm.endpoint_plugins`` entry ``ftkit`` (``vllm.plugins.endpoint_plugins``)."""
+
+    name = "ftkit"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: Any) -> None:
+        from ftkit.serve import health, routes
+
+        app.include_router(routes.router())
+        health.attach(app)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        from ftkit.serve import health
+
+        state.ftkit_control = Control.of_server(engine_client,
+                                                getattr(args, "additional_config", None))
+        await health.init_state(engine_client, state, args)
+
+
+def endpoint_plugin() -> EndpointPlugin:
+    """The factory vLLM's endpoint plugin loader calls."""
+    return EndpointPlugin()

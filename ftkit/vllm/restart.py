@@ -1,0 +1,480 @@
+"""A server whose engine dies goes on: the engine is replaced and every request resumed.
+
+vLLM's OpenAI server holds one engine client (``AsyncLLM``) for its whole life; when a worker
+or the engine core dies, every request on it fails with ``EngineDeadError`` and the server
+answers 503 from then on. With ``"max_restarts": N`` in ``fault_tolerance``, ftkit's plugin
+hands the server a ``RestartingEngine`` instead (``install``, which wraps
+``AsyncLLM.from_vllm_config`` in the API server process). It passes everything to the engine
+of the moment, and its ``generate`` outlives the engine:
+
+* when the engine dies, the first request to see it starts its replacement (a new engine
+  from the same configuration, or the warm standby, ``"standby": true``); the others wait for
+  that one replacement;
+* each request then goes on from the tokens its client already has: its prompt plus those
+  tokens is submitted as a new request (``served_resume_id``: the workers fast-forward a
+  seeded request's generator past them, and show them to its penalties as outputs), asking
+  only for the tokens left;
+* what the new engine produces reaches the client as the continuation of the same stream:
+  the request's own id and prompt, its text as the original request's detokenizer would
+  have made it, its stop strings looked for across the restart (``ftkit.vllm.workload``'s
+  shadow detokenizer, the one resume after a process kill uses offline);
+* a request with ``n > 1`` goes on completion by completion, each as the request of its own
+  that vLLM made of it (its seed plus its index).
+
+A request whose engine died before its client saw a token (all of a non-streamed request)
+starts again from its prompt: greedy and seeded sampling give the same tokens again. After
+``max_restarts`` replacements the next death ends the requests as vLLM would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftkit.config import RecoveryConfig
+from ftkit.contracts.requests import served_resume_id
+
+log = logging.getLogger("ftkit")
+
+#: How often the watch looks whether the engine died while no request ran.
+WATCH_EVERY_S = 0.5
+
+
+@dataclass
+class _Completion:
+    """What one completion of a request delivered so far."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    #: The original request's detokenizer, once the completion was resumed.
+    shadow: Any = None
+    #: Tokens of the engine's request of the moment seen so far (cumulative outputs repeat
+    #: them).
+    engine_seen: int = 0
+
+
+class RestartingEngine:
+    """An engine client that replaces its engine when it dies (see the module)."""
+
+    def __init__(self, start: Callable[[bool], Any], config: RecoveryConfig) -> None:
+        """``start(primary)``: a new engine (``primary`` False: a standby, which keeps no
+        statistics of its own until it takes over)."""
+        self._start = start
+        self.max_restarts = config.max_restarts
+        self.standby_wanted = config.standby
+        self._engine = start(True)
+        self._standby: Any = None
+        self._standby_thread: threading.Thread | None = None
+        if self.standby_wanted:
+            self._prepare_standby()
+        self.restarts = 0
+        self.resumed_requests = 0
+        self._replacing: asyncio.Future[Any] | None = None
+        #: Dead engines replaced, whose renderer the server's handlers may still use.
+        self._retired: list[Any] = []
+        self._watcher: asyncio.Future[None] | None = None
+        #: Seconds each replacement took, from the death seen to the new engine ready.
+        self.restart_seconds: list[float] = []
+
+    # --- the engine of the moment -----------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    @property
+    def restarting(self) -> bool:
+        return self._replacing is not None
+
+    @property
+    def errored(self) -> bool:
+        return bool(self._engine.errored) and not self._can_restart()
+
+    @property
+    def is_running(self) -> bool:
+        return bool(self._engine.is_running) or self.restarting
+
+    async def check_health(self) -> None:
+        if self.restarting:
+            return  # answering, and about to serve again
+        await self._engine.check_health()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        if self._watcher is not None:
+            from vllm.utils.async_utils import cancel_task_threadsafe
+
+            cancel_task_threadsafe(self._watcher)
+        standby, self._standby = self._standby, None
+        for engine in (self._engine, standby):
+            if engine is not None:
+                engine.shutdown(timeout=timeout)
+        for engine in self._retired:  # what the server still used of them (_shut_down)
+            renderer = getattr(engine, "renderer", None)
+            if renderer is not None:
+                renderer.shutdown()
+
+    def _can_restart(self) -> bool:
+        return self.restarts < self.max_restarts
+
+    # --- generate ---------------------------------------------------------------------------
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
+                       **kwargs: Any) -> AsyncIterator[Any]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._watch()
+        state = _Request(prompt, sampling_params, request_id)
+        while True:
+            engine = self._engine
+            try:
+                async for out in state.run(engine, kwargs):
+                    yield out
+                return
+            except EngineDeadError:
+                if not await self._replaced(engine):
+                    raise
+                self.resumed_requests += 1
+                log.warning("ftkit: resuming request %s on the new engine after %s token(s)",
+                            request_id, state.delivered())
+
+    def _watch(self) -> None:
+        """Start (once, in the server's event loop) the watch that replaces an engine that
+        died while no request ran: the next request then finds a live engine."""
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            engine = self._engine
+            if engine.errored and self._replacing is None and self._can_restart():
+                await self._replaced(engine)
+
+    async def _replaced(self, dead: Any) -> bool:
+        """Wait for ``dead``'s replacement (starting it if this is the first request to see
+        it die); ``False`` when no restart is left."""
+        if self._engine is not dead:
+            return True
+        if self._replacing is None:
+            if not self._can_restart():
+                log.error("ftkit: the engine died and all %d restart(s) are used up",
+                          self.max_restarts)
+                return False
+            self._replacing = asyncio.ensure_future(self._replace(dead))
+        replacing = self._replacing
+        try:
+            await asyncio.shield(replacing)
+        except Exception:  # noqa: BLE001 - the new engine did not start: the request fails
+            return False
+        return True
+
+    async def _replace(self, dead: Any) -> None:
+        self.restarts += 1
+        began = time.monotonic()
+        log.warning("ftkit: the engine died (%s); replacing it (restart %d of %d, %s)",
+                    _death_of(dead), self.restarts, self.max_restarts,
+                    "from the warm standby" if self._standby_ready() else "a new engine")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, functools.partial(_shut_down, dead))
+            self._retired.append(dead)
+            new = await loop.run_in_executor(None, self._take_standby_or_start)
+            self._engine = new
+            self.restart_seconds.append(time.monotonic() - began)
+            log.warning("ftkit: the new engine serves after %.2f s", self.restart_seconds[-1])
+            if self.standby_wanted and self._can_restart():
+                self._prepare_standby()
+        except Exception as exc:
+            log.error("ftkit: the replacement engine did not start: %s", exc)
+            raise
+        finally:
+            self._replacing = None
+
+    # --- the warm standby -------------------------------------------------------------------
+
+    def _prepare_standby(self) -> None:
+        """Start the next standby engine in a thread of its own (it takes as long as any
+        engine start); ``_take_standby_or_start`` waits for it."""
+
+        def start() -> None:
+            try:
+                self._standby = self._start(False)
+            except Exception as exc:  # noqa: BLE001 - a restart then starts an engine itself
+                log.error("ftkit: the standby engine did not start: %s", exc)
+
+        self._standby_thread = threading.Thread(target=start, name="ftkit-standby",
+                                                daemon=True)
+        self._standby_thread.start()
+
+    def _standby_ready(self) -> bool:
+        return self._standby is not None
+
+    def _take_standby_or_start(self) -> Any:
+        thread = self._standby_thread
+        if thread is not None:
+            thread.join()
+        standby, self._standby, self._standby_thread = self._standby, None, None
+        if standby is not None:
+            return standby
+        return self._start(True)
+
+
+def _shut_down(engine: Any) -> None:
+    """End what is left of a dead engine: its engine core client (which reaps the engine's
+    processes) and its output loop. Not its renderer: the server's handlers took the first
+    engine's renderer (tokenizer, chat templates) when they were built, and keep using it;
+    ``RestartingEngine.shutdown`` ends it with the server."""
+    from vllm.utils.async_utils import cancel_task_threadsafe
+
+    try:
+        core = getattr(engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        handler = getattr(engine, "output_handler", None)
+        if handler is not None:
+            cancel_task_threadsafe(handler)
+    except Exception as exc:  # noqa: BLE001 - it is dead already
+        log.warning("ftkit: ending the dead engine: %s", exc)
+
+
+def _death_of(engine: Any) -> str:
+    try:
+        return str(engine.dead_error)
+    except Exception:  # noqa: BLE001 - only for the log line
+        return "engine dead"
+
+
+class _Request:
+    """One request's life across engines: what its client got, and how to go on."""
+
+    def __init__(self, prompt: Any, params: Any, request_id: str) -> None:
+        self.prompt = prompt
+        self.params = params
+        self.request_id = request_id
+        self.prompt_ids: list[int] | None = None
+        self.prompt_text: str | None = None
+        self.completions: dict[int, _Completion] = {}
+        self.attempts = 0
+
+    def delivered(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions.values())
+
+    async def run(self, engine: Any, kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+        """The request's outputs from ``engine``: from its prompt the first time (or when its
+        client saw nothing yet), else from where each completion stopped."""
+        self.attempts += 1
+        from vllm.sampling_params import RequestOutputKind
+
+        kind = self.params.output_kind
+        if self.prompt_ids is None or not self.delivered() \
+                or kind == RequestOutputKind.FINAL_ONLY:
+            async for out in engine.generate(self.prompt, self.params, self.request_id,
+                                             **kwargs):
+                yield self._take_first(out, kind)
+            return
+        pending = [c for c in self._all_completions() if not c.finished]
+        if not pending:
+            return
+        streams = [self._resumed(engine, c, kwargs, len(pending) > 1 or self.params.n > 1)
+                   for c in pending]
+        async for out in _merged(streams):
+            yield out
+
+    def _all_completions(self) -> list[_Completion]:
+        for i in range(int(self.params.n or 1)):
+            self.completions.setdefault(i, _Completion(i))
+        return [self.completions[i] for i in sorted(self.completions)]
+
+    def _take_first(self, out: Any, kind: Any) -> Any:
+        """Note what an output of the request's first run delivers; it goes out unchanged."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.prompt_ids is None and out.prompt_token_ids is not None:
+            self.prompt_ids = list(out.prompt_token_ids)
+            self.prompt_text = out.prompt
+        for completion in out.outputs:
+            seen = self.completions.setdefault(completion.index, _Completion(completion.index))
+            new_ids = list(completion.token_ids)
+            new_lps = list(completion.logprobs or [])
+            if kind == RequestOutputKind.CUMULATIVE:
+                seen.token_ids, seen.logprobs, seen.text = new_ids, new_lps, completion.text
+            else:
+                seen.token_ids += new_ids
+                seen.logprobs += new_lps
+                seen.text += completion.text
+            seen.finished = completion.finish_reason is not None
+        return out
+
+    async def _resumed(self, engine: Any, completion: _Completion, kwargs: dict[str, Any],
+                       several: bool) -> AsyncIterator[Any]:
+        """Completion ``completion`` going on on ``engine`` as a request of its own."""
+        from vllm.inputs import TokensPrompt
+
+        from ftkit.vllm.workload import _Shadow
+
+        assert self.prompt_ids is not None
+        params = self._params_after(completion, several)
+        if params is None:
+            return
+        produced = len(completion.token_ids)
+        engine_id = (f"{completion.index}_{self.request_id}" if several else self.request_id)
+        if completion.shadow is None:
+            completion.shadow = _Shadow(engine.get_tokenizer(), self.prompt_ids,
+                                        self._shadow_params(completion.index, several),
+                                        completion.token_ids)
+        rid = served_resume_id(engine_id, produced)
+        completion.engine_seen = 0
+        prompt = TokensPrompt(prompt_token_ids=self.prompt_ids + completion.token_ids)
+        async for out in engine.generate(prompt, params, rid, **kwargs):
+            translated = self._translate(out, completion)
+            if translated is not None:
+                yield translated
+            if completion.finished:
+                return  # (a stop string across the restart: the engine's request is aborted)
+
+    def _params_after(self, completion: _Completion, several: bool) -> Any:
+        produced = len(completion.token_ids)
+        params = self.params.clone()
+        if params.max_tokens is not None:
+            if params.max_tokens - produced <= 0:
+                completion.finished = True
+                return None
+            params.max_tokens -= produced
+        if params.min_tokens:
+            params.min_tokens = max(0, params.min_tokens - produced)
+        params.prompt_logprobs = None
+        params.stop = []  # looked for by the shadow, across the restart
+        if several:
+            params.n = 1
+            if params.seed is not None:
+                params.seed += completion.index
+        return params
+
+    def _shadow_params(self, index: int, several: bool) -> Any:
+        params = self.params.clone()
+        if several:
+            params.n = 1
+            if params.seed is not None:
+                params.seed += index
+        return params
+
+    def _translate(self, out: Any, completion: _Completion) -> Any | None:
+        """An output of a resumed completion as its client's stream goes on."""
+        from vllm.sampling_params import RequestOutputKind
+
+        [new] = out.outputs
+        cumulative = self.params.output_kind == RequestOutputKind.CUMULATIVE
+        fresh = list(new.token_ids)
+        fresh_lps = list(new.logprobs or [])
+        if cumulative:  # the engine's request repeats what it sent before
+            fresh, fresh_lps = fresh[completion.engine_seen:], fresh_lps[completion.engine_seen:]
+            completion.engine_seen = len(new.token_ids)
+        finish, stop_reason = new.finish_reason, new.stop_reason
+        text_before = completion.shadow.text()
+        keep = completion.shadow.take(fresh, finish, stop_reason)
+        if keep is not None:
+            fresh, fresh_lps = fresh[:keep], fresh_lps[:keep]
+            finish, stop_reason = "stop", completion.shadow.stop_string
+        text_now = completion.shadow.text()
+        completion.token_ids += fresh
+        completion.logprobs += fresh_lps
+        completion.text = text_now
+        completion.finished = finish is not None
+        if not fresh and finish is None:
+            return None
+        if cumulative:
+            tokens, lps, text = list(completion.token_ids), list(completion.logprobs), text_now
+        else:
+            tokens, lps, text = fresh, fresh_lps, text_now[len(text_before):]
+        result = copy.copy(out)
+        result.request_id = self.request_id
+        result.prompt_token_ids = self.prompt_ids
+        result.prompt = self.prompt_text
+        result.prompt_logprobs = None
+        result.finished = self._all_finished()
+        result.outputs = [dataclasses.replace(
+            new, index=completion.index, token_ids=tokens,
+            logprobs=lps if new.logprobs is not None else None, text=text,
+            finish_reason=finish, stop_reason=stop_reason)]
+        return result
+
+    def _all_finished(self) -> bool:
+        return all(c.finished for c in self._all_completions())
+
+
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of ``streams`` as they come; closing this closes every one of them."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, done, exc))
+
+    tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            _, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                left -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def install() -> None:
+    """Make ``AsyncLLM.from_vllm_config`` give a ``RestartingEngine`` to an engine whose
+    ``fault_tolerance`` says ``max_restarts`` (in the API server process only; the plugin
+    calls this there)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from ftkit.vllm.plugin import WRAPPED_MARK, recovery_settings
+
+    original = AsyncLLM.__dict__["from_vllm_config"].__func__
+    if getattr(original, WRAPPED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def from_vllm_config(cls: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        config = recovery_settings(vllm_config)
+        if config is None or not config.enabled or not config.max_restarts:
+            return original(cls, vllm_config, *args, **kwargs)
+
+        def start(primary: bool) -> Any:
+            if primary:
+                return original(cls, vllm_config, *args, **kwargs)
+            return original(cls, vllm_config, *args, **{**kwargs, "disable_log_stats": True})
+
+        log.warning("ftkit: this server replaces a dead engine up to %d time(s)%s",
+                    config.max_restarts, ", with a warm standby" if config.standby else "")
+        return RestartingEngine(start, config)
+
+    setattr(from_vllm_config, WRAPPED_MARK, True)
+    AsyncLLM.from_vllm_config = classmethod(from_vllm_config)

@@ -1,0 +1,159 @@
+"""A server with ``"max_restarts"`` survives SIGKILL of a worker and of its engine core: real
+``openai`` streams (greedy, seeded sampling, a stop string, ``n = 2``, penalties, the chat API)
+go on on their open connections, without an error, with the token ids, logprobs and finish
+reasons of the same server's fault-free run. Once the restarts are used up (the crippled
+variant) the next kill ends the streams with an error, as a server without ftkit does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import openai
+import psutil
+import pytest
+from _server import vllm_server
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 120
+#: The tiny model's tokenizer has no chat template of its own.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "assistant:")
+#: The requests: (API, request fields). Each is long enough to be running at the kill.
+REQUESTS: list[tuple[str, dict[str, Any]]] = [
+    ("completions", {"prompt": "The quick brown fox", "temperature": 0}),
+    ("completions", {"prompt": "Once upon a time", "temperature": 0.9, "seed": 11}),
+    ("completions", {"prompt": "In the beginning", "temperature": 0.8, "seed": 5, "n": 2}),
+    ("completions", {"prompt": "Hello world, my name is", "temperature": 0.7, "seed": 3,
+                     "frequency_penalty": 0.8, "presence_penalty": 0.5}),
+    ("chat", {"messages": [{"role": "user", "content": "Tell me a story"}],
+              "temperature": 0.6, "seed": 9}),
+]
+
+
+def stream(base_url: str, key: str, api: str, fields: dict[str, Any],
+           first: threading.Event) -> dict[str, Any]:
+    """One streamed request: per completion its token ids, logprobs and finish reason, the
+    time each token arrived, or the error that ended the stream."""
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    got: dict[int, dict[str, Any]] = {}
+    error = None
+    try:
+        if api == "chat":
+            chunks = client.chat.completions.create(
+                model=model, max_tokens=MAX_TOKENS, logprobs=True, stream=True,
+                extra_headers={"X-Request-Id": key},
+                extra_body={"return_tokens_as_token_ids": True}, **fields)
+        else:
+            chunks = client.completions.create(
+                model=model, max_tokens=MAX_TOKENS, logprobs=1, stream=True,
+                extra_headers={"X-Request-Id": key},
+                extra_body={"return_tokens_as_token_ids": True}, **fields)
+        for chunk in chunks:
+            for choice in chunk.choices:
+                seen = got.setdefault(choice.index, {"tokens": [], "logprobs": [],
+                                                     "finish": None, "times": []})
+                if api == "chat":
+                    entries = choice.logprobs.content if choice.logprobs else None
+                    tokens = [e.token for e in entries or []]
+                    logprobs = [e.logprob for e in entries or []]
+                else:
+                    tokens = choice.logprobs.tokens if choice.logprobs else []
+                    logprobs = choice.logprobs.token_logprobs if choice.logprobs else []
+                seen["tokens"] += tokens
+                seen["logprobs"] += logprobs
+                seen["times"] += [time.monotonic()] * len(tokens)
+                seen["finish"] = choice.finish_reason or seen["finish"]
+                if tokens:
+                    first.set()
+    except openai.OpenAIError as exc:
+        error = repr(exc)
+    return {"completions": got, "error": error}
+
+
+def run_all(base_url: str, tag: str, during: Any = None) -> tuple[list[dict[str, Any]], float]:
+    out: dict[int, dict[str, Any]] = {}
+    first = threading.Event()
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(
+        i, stream(base_url, f"{tag}-{i}", *REQUESTS[i], first))) for i in range(len(REQUESTS))]
+    for thread in threads:
+        thread.start()
+    at = 0.0
+    if during is not None:
+        assert first.wait(120), "no stream delivered a token"
+        time.sleep(0.3)  # every stream running
+        at = time.monotonic()
+        during()
+    for thread in threads:
+        thread.join(400)
+    assert len(out) == len(REQUESTS), "a stream did not end"
+    return [out[i] for i in range(len(REQUESTS))], at
+
+
+def kill(server: Any, name: str) -> int:
+    """SIGKILL the server's process named ``name`` (vLLM names its processes)."""
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        if name in proc.name():
+            os.kill(proc.pid, signal.SIGKILL)
+            return proc.pid
+    raise AssertionError(f"the server has no process {name}")
+
+
+def without_times(run: dict[str, Any]) -> dict[str, Any]:
+    return {i: {k: v for k, v in c.items() if k != "times"}
+            for i, c in run["completions"].items()}
+
+
+def assert_exact(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+    for i, (run, ref) in enumerate(zip(runs, reference)):
+        assert run["error"] is None, f"request {i}: {run['error']}"
+        assert without_times(run) == without_times(ref), f"request {i} differs"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("restart") / "server.log"
+    with vllm_server(tiny_model, log, fault_tolerance={"enabled": True, "max_restarts": 2},
+                     extra_args=("--chat-template", CHAT_TEMPLATE)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(server: Any) -> list[dict[str, Any]]:
+    runs, _ = run_all(server.base_url, "ref")
+    for run in runs:
+        assert run["error"] is None
+    assert len(runs[2]["completions"]) == 2  # n = 2
+    assert max(len(c["tokens"]) for r in runs for c in r["completions"].values()) == MAX_TOKENS
+    return runs
+
+
+def test_fault_free_runs_agree(server, reference):
+    runs, _ = run_all(server.base_url, "ref2")
+    assert_exact(runs, reference)
+
+
+@pytest.mark.parametrize("target", ["Worker_TP1", "EngineCore"])
+def test_a_killed_process_leaves_every_stream_exact(server, reference, target):
+    runs, killed_at = run_all(server.base_url, f"kill-{target}", lambda: kill(server, target))
+    assert_exact(runs, reference)
+    # The kill happened mid-stream: some stream got tokens after it (from the new engine).
+    late = [t for r in runs for c in r["completions"].values() for t in c["times"]
+            if t > killed_at + 1.0]
+    assert late, "no token came after the kill: the streams had ended before it"
+    assert server.get("/health")[0] == 200
+    assert "ftkit: the new engine serves after" in server.output()
+
+
+def test_zz_once_the_restarts_are_used_up_a_kill_ends_the_streams(server, reference):
+    """The crippled variant (no restart left: what a server without ftkit does at the first
+    kill). Last in the module: the server's engine is gone afterwards."""
+    runs, _ = run_all(server.base_url, "used-up", lambda: kill(server, "Worker_TP1"))
+    assert any(r["error"] is not None for r in runs)
+    assert "all 2 restart(s) are used up" in server.output()
