@@ -102,7 +102,9 @@ class RestartingEngine:
 
     @property
     def errored(self) -> bool:
-        return bool(self._engine.errored) and not self._can_restart()
+        """Dead for good: the engine died and no replacement runs or is left (vLLM's server
+        refuses requests, and ends itself, on this)."""
+        return bool(self._engine.errored) and not self.restarting and not self._can_restart()
 
     @property
     def is_running(self) -> bool:
@@ -189,11 +191,15 @@ class RestartingEngine:
                     _death_of(dead), self.restarts, self.max_restarts,
                     "from the warm standby" if self._standby_ready() else "a new engine")
         loop = asyncio.get_running_loop()
+        standby = self._standby_ready()
         try:
-            await loop.run_in_executor(None, functools.partial(_shut_down, dead))
-            self._retired.append(dead)
+            if not standby:  # a cold start gets the dead engine's memory and cores first
+                await loop.run_in_executor(None, functools.partial(_shut_down, dead))
             new = await loop.run_in_executor(None, self._take_standby_or_start)
             self._engine = new
+            self._retired.append(dead)
+            if standby:  # the streams go on at once; the dead engine is ended behind them
+                loop.run_in_executor(None, functools.partial(_shut_down, dead))
             self.restart_seconds.append(time.monotonic() - began)
             log.warning("ftkit: the new engine serves after %.2f s", self.restart_seconds[-1])
             if self.standby_wanted and self._can_restart():
@@ -384,22 +390,25 @@ class _Request:
             fresh, fresh_lps = fresh[completion.engine_seen:], fresh_lps[completion.engine_seen:]
             completion.engine_seen = len(new.token_ids)
         finish, stop_reason = new.finish_reason, new.stop_reason
-        text_before = completion.shadow.text()
         keep = completion.shadow.take(fresh, finish, stop_reason)
         if keep is not None:
             fresh, fresh_lps = fresh[:keep], fresh_lps[:keep]
             finish, stop_reason = "stop", completion.shadow.stop_string
-        text_now = completion.shadow.text()
+        # The text the client may see now (the detokenizer holds back the end of the text
+        # that could still begin a stop string, as the original request's did), and what of
+        # it the client does not have yet.
+        visible = completion.shadow.visible_text(finished=finish is not None)
+        text_delta = visible[len(completion.text):]
         completion.token_ids += fresh
         completion.logprobs += fresh_lps
-        completion.text = text_now
+        completion.text = visible
         completion.finished = finish is not None
-        if not fresh and finish is None:
+        if not fresh and finish is None and not text_delta:
             return None
         if cumulative:
-            tokens, lps, text = list(completion.token_ids), list(completion.logprobs), text_now
+            tokens, lps, text = list(completion.token_ids), list(completion.logprobs), visible
         else:
-            tokens, lps, text = fresh, fresh_lps, text_now[len(text_before):]
+            tokens, lps, text = fresh, fresh_lps, text_delta
         result = copy.copy(out)
         result.request_id = self.request_id
         result.prompt_token_ids = self.prompt_ids

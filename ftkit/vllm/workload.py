@@ -244,6 +244,11 @@ class _Shadow:
     def text(self) -> str:
         return self._detokenizer.get_next_output_text(finished=True, delta=False)
 
+    def visible_text(self, finished: bool) -> str:
+        """The text a streaming client of the original request has been sent by now: all of
+        it once finished, else without the end that could still begin a stop string."""
+        return self._detokenizer.get_next_output_text(finished=finished, delta=False)
+
 
 def _position(logprobs: Any) -> list[list[Any]]:
     """One position's ``{token id: Logprob}`` as ``[token id, logprob]`` pairs, in vLLM's
