@@ -73,20 +73,22 @@ class DoctorReport:
         return table
 
     def _recovery(self) -> Table:
-        table = Table(title=f"recovery steps ({self.diagnosis.backend or 'no'} backend)",
-                      title_justify="left")
-        table.add_column("step", no_wrap=True)
-        table.add_column("supported", no_wrap=True)
-        table.add_column("how, or why not", overflow="fold")
-        for step in self.diagnosis.recovery:
-            table.add_row(Text(step.step), _yes_no(step.supported), Text(step.detail))
-        return table
+        return _yes_no_table(f"recovery steps ({self.diagnosis.backend or 'no'} backend)",
+                             ("step", "supported"),
+                             [(s.step, s.supported, s.detail) for s in self.diagnosis.recovery])
 
     def _serving(self) -> Table:
-        table = Table(title="serving (vLLM's server with ftkit)", title_justify="left")
-        table.add_column("what", no_wrap=True)
-        table.add_column("works here", no_wrap=True)
-        table.add_column("how, or why not", overflow="fold")
-        for row in self.diagnosis.serving:
-            table.add_row(Text(row.what), _yes_no(row.works), Text(row.detail))
-        return table
+        return _yes_no_table("serving (vLLM's server with ftkit)", ("what", "works here"),
+                             [(r.what, r.works, r.detail) for r in self.diagnosis.serving])
+
+
+def _yes_no_table(title: str, columns: tuple[str, str],
+                  rows: list[tuple[str, bool, str]]) -> Table:
+    """A table of things, whether each is so, and how (or why not)."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, no_wrap=True)
+    table.add_column("how, or why not", overflow="fold")
+    for name, yes, detail in rows:
+        table.add_row(Text(name), _yes_no(yes), Text(detail))
+    return table

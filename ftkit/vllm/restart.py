@@ -219,6 +219,7 @@ class RestartingEngine:
         def start() -> None:
             try:
                 self._standby = self._start(False)
+                log.warning("ftkit: the standby engine is ready")
             except Exception as exc:  # noqa: BLE001 - a restart then starts an engine itself
                 log.error("ftkit: the standby engine did not start: %s", exc)
 
