@@ -146,7 +146,12 @@ class RestartingEngine:
                 async for out in state.run(engine, kwargs):
                     yield out
                 return
-            except EngineDeadError:
+            except Exception as exc:  # noqa: BLE001 - a dead engine fails requests in several ways
+                # (EngineDeadError from its output loop; EngineGenerateError or a socket
+                # error where the request met the engine's end first). Only a dead engine's
+                # failure is a death; any other goes to the client as vLLM's would.
+                if not (isinstance(exc, EngineDeadError) or engine.errored):
+                    raise
                 if not await self._replaced(engine):
                     raise
                 self.resumed_requests += 1
