@@ -217,9 +217,14 @@ def build_cached(name: str, digest: str, write: Callable[[Path], None],
 
 
 def resolve_model(spec: str) -> Path:
-    """Turn a scenario's ``engine.model`` into a local directory vLLM can load."""
+    """Turn a scenario's ``engine.model`` into a local directory vLLM can load: an embedded
+    model's name (``tiny``, ``tiny-moe``: built once, then cached) or a model directory."""
     if spec == TINY:
         return build_tiny_model()
+    from ftkit.model.moe import TINY_MOE, build_tiny_moe_model
+
+    if spec == TINY_MOE:
+        return build_tiny_moe_model()
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FtkitError(f"model path {spec!r} is not a directory")

