@@ -23,7 +23,8 @@ from benchmarks import report
 from benchmarks.common import REPO, RESULTS_DIR, end_session
 
 #: Suites in the order they run, with the bound on each (seconds; full mode).
-SUITES = {"snapshot": 600, "overhead": 1500, "recovery": 1500, "library": 2700, "explore": 1500}
+SUITES = {"snapshot": 600, "overhead": 1500, "recovery": 1500, "library": 2700, "explore": 1500,
+          "serve": 1500}
 #: Suites that ``--quick`` leaves out unless named in ``--only`` (the library runs every
 #: scenario twice, whatever the mode).
 FULL_ONLY = {"library"}

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks import library, overhead, recovery, snapshot
+from benchmarks import library, overhead, recovery, serve, snapshot
 from benchmarks.stats import markdown_table, summarize
 
 RATIO_TARGET = 0.99
@@ -20,6 +20,10 @@ LINK_RUNNING_TARGET_S = 1.0
 KILL_MARGIN_TARGET_S = 1.0
 #: Generated scenarios per minute ``ftkit explore`` reaches, per tensor parallel size.
 EXPLORE_TARGETS_PER_MIN = {1: 20.0, 2: 6.0}
+#: Under a server: a warm standby's takeover after a worker's SIGKILL, until every running
+#: stream's next token (a cold replacement's target is the engine's start plus
+#: ``KILL_MARGIN_TARGET_S``).
+STANDBY_TAKEOVER_TARGET_S = 1.0
 #: The page ``make bench`` writes (relative to the repository root); the README links to it.
 PAGE = Path("docs") / "performance.md"
 PAGE_TITLE = "# Performance"
@@ -27,7 +31,7 @@ PAGE_TITLE = "# Performance"
 
 def load(out_dir: Path) -> dict[str, dict[str, Any]]:
     results = {}
-    for name in ("overhead", "snapshot", "recovery", "library", "explore"):
+    for name in ("overhead", "snapshot", "recovery", "library", "explore", "serve"):
         path = out_dir / f"{name}.json"
         if path.is_file():
             results[name] = json.loads(path.read_text())
@@ -64,6 +68,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         parts.append(_library(results["library"]))
     if "explore" in results:
         parts.append(_explore(results["explore"]))
+    parts.append(_serve(results.get("serve")))
     return "\n\n".join(parts)
 
 
@@ -345,3 +350,97 @@ def _explore_reading(c: dict[str, Any], target: float | None) -> str:
     else:
         text += "; no failure"
     return text + "."
+
+
+# --- serving ----------------------------------------------------------------------------------
+
+SERVE_INTRO = (
+    "### Serving\n\n"
+    "`benchmarks/serve.py`: vLLM's OpenAI server with ftkit's plugin (started as `ftkit serve` "
+    "starts it: the tiny model, TP 2, eager), driven by concurrent streaming `openai` clients, "
+    "each on a connection of its own (greedy, `ignore_eos`). Servers differ only in their "
+    "`fault_tolerance` settings: `off` (`enabled: false`) and `on` (`enabled: true`), both "
+    "up at once and driven in turn (alternating which goes first; tokens per second from the "
+    "streams' release to the last token, the ratio per repeat); then on a `faults` server "
+    "(`enabled`, `injection`, `max_restarts: 1`), per fault kind, one fault planned through "
+    "the injection route (`POST /ftkit/inject`, what `ftkit inject` sends) for one client's "
+    "`X-Request-Id` and token: the "
+    "largest gap between two tokens any client saw, and whether every stream's token ids and "
+    "logprobs equal the same server's fault-free run; then SIGKILL of the serving engine's "
+    "`Worker_TP1` while the streams run, replaced by a new engine (`cold`) and, on a server "
+    "with `standby: true`, by the warm standby: the time from the kill until every stream "
+    "the server resumed (its log) delivered the new engine's first token, and the streams "
+    "that failed. Last, the idle cost of each engine of the standby server (its engine core "
+    "and workers: RSS, USS, CPU) while no request runs. The clients share the cores with the "
+    "server: what a client sees includes its own delays (the fault-free row shows them).")
+
+
+def _serve(result: dict[str, Any] | None) -> str:
+    if result is None:
+        return (SERVE_INTRO + "\n\nNo results yet: `python -m benchmarks --only serve` "
+                "(about 15 minutes).")
+    reading = []
+    t = result.get("throughput")
+    if t:
+        ratio = summarize(t["ratios"])
+        reading.append(
+            f"Tokens per second, on/off >= {RATIO_TARGET}: {_met(ratio.median >= RATIO_TARGET)}"
+            f" (median {ratio.median:.3f}, repeats {ratio.low:.3f}-{ratio.high:.3f}"
+            + (", 1.0 inside the range" if ratio.low <= 1.0 <= ratio.high else "") + ").")
+    faults = result.get("faults")
+    if faults:
+        rows = faults["rows"]
+        exact = [r["case"] for r in rows if not r["mismatched"] and not r["failed_streams"]
+                 and r["fired"] == r["planned"]]
+        worst = max((r for r in rows if r["largest_gap_s"] is not None),
+                    key=lambda r: r["largest_gap_s"], default=None)
+        reading.append(
+            f"Faults through the live route: {len(exact)} of {len(rows)} kinds fired as "
+            f"planned with every stream identical to the fault-free run"
+            + (f"; the largest client-visible gap {worst['largest_gap_s'] * 1000:.0f} ms "
+               f"({worst['case']}; fault-free {faults['reference_gap_s'] * 1000:.0f} ms)"
+               if worst is not None and faults["reference_gap_s"] else "") + ".")
+        if faults["reference_repeat_mismatched"]:
+            reading.append(f"A second fault-free run differed from the first in "
+                           f"{len(faults['reference_repeat_mismatched'])} streams: the oracle "
+                           f"is not sound on this run.")
+    start = result.get("engine_start_s")
+    for k in result.get("kills", []):
+        took = k["all_resumed_s"]
+        if k["mode"] == "cold":
+            target = None if start is None else start + KILL_MARGIN_TARGET_S
+            what = (f"engine start + {KILL_MARGIN_TARGET_S:g} s = "
+                    + ("-" if target is None else f"{target:.2f} s"))
+        else:
+            target = STANDBY_TAKEOVER_TARGET_S
+            what = f"< {target:g} s"
+        ok = took is not None and target is not None and (
+            took <= target if k["mode"] == "cold" else took < target)
+        by_server = k.get("resumed_by_server", k["resumed"])
+        if took is not None:
+            shown = f"every resumed stream's next token {took:.2f} s after the kill"
+        elif not by_server:
+            shown = ("no stream was resumed (none ran in the engine across the kill: the "
+                     "streams had finished there, or had not started)")
+        else:
+            shown = (f"{by_server - k['resumed']} of {by_server} resumed streams delivered no "
+                     f"token of the new engine")
+        reading.append(f"SIGKILL of {serve.KILL_TARGET}, {k['mode']} replacement: {shown} "
+                       f"(target {what}: {_met(ok)}); {k['failed_streams']} of {k['streams']} "
+                       f"streams failed (target 0: {_met(k['failed_streams'] == 0)})"
+                       + (f": {k['errors'][0][:80]}" if k["errors"] else "") + ".")
+    idle = result.get("idle")
+    if idle and len(idle["engines"]) == 2:
+        serving, standby = idle["engines"]
+        reading.append(
+            f"Idle, the standby holds {standby['rss_bytes'] / 2**20:.0f} MiB RSS "
+            f"({standby['uss_bytes'] / 2**20:.0f} MiB its own) and uses "
+            f"{standby['cpu_percent']:.1f} % of a core; the serving engine "
+            f"{serving['rss_bytes'] / 2**20:.0f} MiB ({serving['uss_bytes'] / 2**20:.0f} MiB) "
+            f"and {serving['cpu_percent']:.1f} %.")
+    tables = [serve.throughput_table(result) if t else "",
+              serve.fault_table(result) if faults else "",
+              serve.kill_table(result) if result.get("kills") else "",
+              serve.idle_table(result) if idle else ""]
+    return (SERVE_INTRO + "\n\n" + "\n\n".join(x for x in tables if x) + "\n\n"
+            + "\n".join(f"- {r}" for r in reading))

@@ -39,6 +39,9 @@ _EXPORTS: dict[str, str] = {
     # running scenarios
     "ScenarioRunner": "ftkit.runner", "run_scenario": "ftkit.runner",
     "measure_serve_oracle": "ftkit.runner.serve",
+    # a scenario's server and its streaming clients (engine.mode serve)
+    "ScenarioServer": "ftkit.runner.serve", "Stream": "ftkit.runner.serve",
+    "server_options": "ftkit.runner.serve", "stream_one": "ftkit.runner.serve",
     "ProgressEvent": "ftkit.progress", "EventSink": "ftkit.progress",
     # results and reports
     "ScenarioResult": "ftkit.results", "Verdict": "ftkit.results",
@@ -73,7 +76,8 @@ _EXPORTS: dict[str, str] = {
     # this machine, models
     "diagnose": "ftkit.doctor", "Diagnosis": "ftkit.doctor", "REAL": "ftkit.doctor",
     "TINY": "ftkit.model", "build_tiny_model": "ftkit.model", "resolve_model": "ftkit.model",
-    "build_wide_model": "ftkit.model",
+    "build_wide_model": "ftkit.model", "TINY_MOE": "ftkit.model",
+    "build_tiny_moe_model": "ftkit.model",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -106,7 +110,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
                                parse_kinds, parse_names)
     from ftkit.faults import FaultKind
     from ftkit.kinds import KIND_SPECS, kind_spec
-    from ftkit.model import TINY, build_tiny_model, build_wide_model, resolve_model
+    from ftkit.model import (TINY, TINY_MOE, build_tiny_model, build_tiny_moe_model,
+                             build_wide_model, resolve_model)
     from ftkit.progress import EventSink, ProgressEvent
     from ftkit.report import (TABLE_COLUMNS, SkippedScenario, overrides_from_report,
                               read_json_report, results_from_report, skipped_from_report,
@@ -116,7 +121,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
                                             write_campaign_html)
     from ftkit.results import ScenarioResult, Verdict
     from ftkit.runner import ScenarioRunner, run_scenario
-    from ftkit.runner.serve import measure_serve_oracle
+    from ftkit.runner.serve import (ScenarioServer, Stream, measure_serve_oracle,
+                                    server_options, stream_one)
     from ftkit.scenario import (FORMAT_VERSION, EngineSpec, FaultSpec, Overrides, Scenario,
                                 ScenarioErrors, load_scenario, load_scenario_text,
                                 load_scenarios, override_lines, random_prompts,

@@ -45,9 +45,10 @@ class StoreChannel:
         try:
             self._store.wait(keys, timedelta(seconds=timeout_s))
             return True
-        except dist.DistStoreError as exc:
+        except (dist.DistStoreError, RuntimeError) as exc:
             # torch raises the same class for a timeout and for a broken store, and tells
-            # them apart only in the message.
+            # them apart only in the message (a TCPStore raises DistStoreError, a FileStore,
+            # as vLLM's file:// init method gives, a plain RuntimeError "Wait timeout").
             if "timeout" in str(exc).lower():
                 return False
             raise

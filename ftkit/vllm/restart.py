@@ -44,8 +44,8 @@ from ftkit.contracts.requests import served_resume_id
 
 log = logging.getLogger("ftkit")
 
-#: How often the watch looks whether the engine died while no request ran.
-WATCH_EVERY_S = 0.5
+#: How often the watch looks whether the engine, or one of its processes, died.
+WATCH_EVERY_S = 0.2
 
 
 @dataclass
@@ -165,9 +165,17 @@ class RestartingEngine:
             self._watcher = asyncio.ensure_future(self._watch_engine())
 
     async def _watch_engine(self) -> None:
+        watched: tuple[Any, _Processes] | None = None
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
             engine = self._engine
+            if watched is None or watched[0] is not engine:
+                watched = (engine, _Processes.of(engine))
+            if not engine.errored and self._can_restart() and watched[1].one_died():
+                # vLLM itself sees a worker's death only once its engine core has given the
+                # other workers their grace periods (seconds): the engine is dead now.
+                log.warning("ftkit: a process of the engine died (%s)", watched[1].dead)
+                _mark_dead(engine)
             if engine.errored and self._replacing is None and self._can_restart():
                 await self._replaced(engine)
 
@@ -190,6 +198,10 @@ class RestartingEngine:
         return True
 
     async def _replace(self, dead: Any) -> None:
+        # Every request still waiting on the dead engine learns of its death now. (vLLM's
+        # output loop tells them when it meets the death; ending the engine below cancels that
+        # loop, and a request it had not told yet would wait for ever.)
+        _end_requests(dead)
         self.restarts += 1
         began = time.monotonic()
         log.warning("ftkit: the engine died (%s); replacing it (restart %d of %d, %s)",
@@ -243,6 +255,64 @@ class RestartingEngine:
         if standby is not None:
             return standby
         return self._start(True)
+
+
+class _Processes:
+    """The processes of one engine (its engine core and that core's workers, which vLLM names
+    ``...Worker...``), to see one of them die."""
+
+    def __init__(self, processes: list[Any]) -> None:
+        self.processes = processes
+        self.dead = ""
+
+    @classmethod
+    def of(cls, engine: Any) -> _Processes:
+        import psutil
+
+        found: list[Any] = []
+        try:
+            manager = engine.engine_core.resources.engine_manager
+            for proc in getattr(manager, "processes", None) or []:
+                core = psutil.Process(proc.pid)
+                found += [core, *(c for c in core.children() if "Worker" in c.name())]
+        except Exception:  # noqa: BLE001 - an engine without local processes: vLLM's own watch
+            return cls([])
+        return cls(found)
+
+    def one_died(self) -> bool:
+        import psutil
+
+        for proc in self.processes:
+            try:
+                alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                alive = False
+            if not alive:
+                self.dead = f"pid {proc.pid}"
+                return True
+        return False
+
+
+def _mark_dead(engine: Any) -> None:
+    """Mark ``engine`` dead as vLLM's own watch of its engine core does: new requests are
+    refused with ``EngineDeadError`` from then on."""
+    try:
+        engine.engine_core.resources.engine_dead = True
+    except AttributeError:
+        pass
+
+
+def _end_requests(engine: Any) -> None:
+    """Hand ``EngineDeadError`` to every request waiting on ``engine`` (in the server's event
+    loop)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    processor = getattr(engine, "output_processor", None)
+    if processor is not None:
+        try:
+            processor.propagate_error(EngineDeadError())
+        except Exception as exc:  # noqa: BLE001 - the requests then meet the death themselves
+            log.warning("ftkit: telling the dead engine's requests: %s", exc)
 
 
 def _shut_down(engine: Any) -> None:

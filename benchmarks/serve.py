@@ -1,0 +1,676 @@
+"""Serving numbers: vLLM's OpenAI server with ftkit's plugin, driven by many concurrent
+streaming ``openai`` clients (each on a connection of its own, greedy, ``ignore_eos``).
+
+Servers of the default tiny model at tensor parallel 2, eager, all started the way ``ftkit
+serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine settings of
+``scenarios/serve_link_flap.yaml``), differing only in their ``fault_tolerance`` settings:
+
+* ``off`` ``{"enabled": false}`` and ``on`` ``{"enabled": true}``, both up at once: the
+  same workload on each in turn, ``repeats`` times (alternating which goes first); tokens per
+  second = tokens streamed / seconds from the release of the streams to the last token, the
+  ratio on/off per repeat.
+* On a ``faults`` server ``{"enabled": true, "injection": true, "max_restarts": 1}``, per
+  fault kind, one fault planned through the injection route
+  (``POST /ftkit/inject`` with the secret, what ``ftkit inject`` sends) for one client's
+  ``X-Request-Id`` and token, before the streams start; then the streams. Reported: whether it
+  fired (the server's log), the largest gap between two tokens any client saw (beside the
+  fault-free run's), and whether every stream's token ids and logprobs equal the same
+  server's fault-free run.
+* Then SIGKILL of the serving engine's ``Worker_TP1`` while the streams run (``cold``: the
+  ``faults`` server replaces its engine with a new one), and the same on a server with
+  ``{"enabled": true, "max_restarts": 1, "standby": true}`` (``standby``: the warm standby
+  takes over); the kill comes once a client got its first token. Reported: from the kill
+  until every stream the server resumed (it logs each, with the tokens delivered so far)
+  delivered the new engine's first token (tokens made before the kill but read after it do
+  not count), the streams that failed, and whether the finished streams equal the same
+  server's fault-free run. The engine start the cold target is checked against is the
+  ``faults`` server's own, from its log: from the line the server logs before it starts its
+  engine to the engine core's "init engine ... took" line (on the standby server the same,
+  and the standby's start, from the first engine's line to its own).
+* On the standby server, before the kill: the idle cost of each engine (its engine core and
+  workers): RSS, USS (memory no other process shares) and CPU (per cent of one core) over
+  ``idle_s`` seconds of no requests.
+
+Every server is killed and reaped with its whole tree however the suite ends (also on SIGTERM,
+which ``python -m benchmarks`` sends a suite that runs out of time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.common import REPO, SETTLE_S, prompts, settle, tiny_model
+from benchmarks.stats import fmt_summary, markdown_table, paired_ratios, summarize
+from ftkit import (CONFIG_KEY, INJECT_SECRET_ENV, Scenario, ScenarioServer, Stream,
+                   inject_live_fault, load_scenario, server_options, stream_one)
+
+SCENARIO = REPO / "scenarios" / "serve_link_flap.yaml"
+#: Long enough for the kill streams (prompt + tokens), small enough to start fast.
+MAX_MODEL_LEN = 2048
+#: The serving engine's process a kill ends (vLLM names its processes).
+KILL_TARGET = "Worker_TP1"
+ENGINE_CORE = "EngineCore"
+#: A stream's token at which a planned fault fires, and the stream it is planned for.
+FAULT_TOKEN = 8
+FAULT_REQUEST = 1
+#: The kill comes once any stream has delivered this many tokens: the clients, on the same
+#: cores, can lag the server by seconds, and a later kill may find the streams finished.
+KILL_AFTER_TOKENS = 1
+RUN_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0
+#: What the server logs (ftkit.vllm.restart, ftkit's injector).
+RESTART_LOG = "ftkit: this server replaces a dead engine"
+STANDBY_READY_LOG = "ftkit: the standby engine is ready"
+#: What vLLM's engine core logs once it is up (after this, only its handshake).
+ENGINE_UP_LOG = "init engine (profile, create kv cache, warmup model) took"
+WATCHED_LOGS = (RESTART_LOG, ENGINE_UP_LOG, STANDBY_READY_LOG)
+NEW_ENGINE_LOG = re.compile(r"ftkit: the new engine serves after ([0-9.]+) s")
+FIRED_LOG = re.compile(r"ftkit: injecting (\w+) on rank (\d+)")
+RESUMED_LOG = re.compile(r"ftkit: resuming request (\S+) on the new engine after (\d+) token")
+
+
+@dataclass(frozen=True)
+class FaultCase:
+    name: str
+    kind: str
+    rank: int
+    times: int = 1
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def body(self, request_id: str, token: int) -> dict[str, Any]:
+        """The injection route's JSON for this fault, planned for ``request_id``'s token."""
+        return {"kind": self.kind, "rank": self.rank, "phase": "forward", "times": self.times,
+                "params": dict(self.params), "request_id": request_id, "token": token}
+
+
+FAULTS = (
+    FaultCase("link_flap x2", "link_flap", 1, times=2),
+    FaultCase("link_break", "link_break", 0),
+    FaultCase("device_reset", "device_reset", 0),
+    FaultCase("uce kv", "uce", 1, params=(("region", "kv"),)),
+    FaultCase("uce weights", "uce", 0, params=(("region", "weights"),)),
+    FaultCase("hang", "hang", 1, params=(("op_timeout_s", 1.0),)),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    repeats: int = 5
+    streams: int = 16
+    max_tokens: int = 128
+    fault_streams: int = 8
+    fault_tokens: int = 48
+    faults: tuple[str, ...] = tuple(f.name for f in FAULTS)
+    kill_streams: int = 8
+    kill_tokens: int = 1600
+    idle_s: float = 10.0
+
+
+QUICK = Plan(repeats=3, streams=8, max_tokens=64, fault_streams=6, fault_tokens=32,
+             faults=("link_flap x2", "device_reset", "uce kv"), kill_streams=6,
+             kill_tokens=1200, idle_s=4.0)
+
+
+# --- pure helpers (tested in tests/unit/test_bench_serve.py) ----------------------------------
+
+def tokens_per_s(token_times: Sequence[Sequence[float]]) -> float | None:
+    """Tokens streamed per second, from the release of the streams (time 0) to the last token."""
+    count = sum(len(t) for t in token_times)
+    last = max((t[-1] for t in token_times if t), default=0.0)
+    return count / last if count and last > 0 else None
+
+
+def largest_gap(token_times: Sequence[Sequence[float]]) -> float | None:
+    """The largest time between two successive tokens of any one stream."""
+    gaps = [b - a for times in token_times for a, b in zip(times, times[1:])]
+    return max(gaps) if gaps else None
+
+
+def mismatched(reference: Sequence[tuple[list[int], list[float]]],
+               run: Sequence[tuple[list[int], list[float]]]) -> list[int]:
+    """The streams (indices) whose token ids or logprobs differ from the reference's."""
+    if len(reference) != len(run):
+        raise ValueError(f"{len(run)} streams for {len(reference)} in the reference")
+    return [i for i, (ref, got) in enumerate(zip(reference, run)) if tuple(ref) != tuple(got)]
+
+
+def resumed_after(log_text: str, tag: str) -> dict[int, int]:
+    """Stream index -> the tokens it had delivered when the server resumed it on the new
+    engine, from the server's log lines for the requests ``<tag>-<index>``."""
+    found: dict[int, int] = {}
+    index = re.compile(re.escape(tag) + r"-(\d+)(?!\d)")
+    for request, tokens in RESUMED_LOG.findall(log_text):
+        match = index.search(request)
+        if match:
+            found[int(match.group(1))] = int(tokens)
+    return found
+
+
+def resume_delays(kill_at: float, token_times: Sequence[Sequence[float]],
+                  resumed: dict[int, int]) -> list[float | None]:
+    """For each resumed stream, from the kill to its first token of the new engine (its
+    token number ``resumed[i]``; ``None`` where that never came). Tokens that arrive after
+    the kill but were made before it do not count."""
+    delays: list[float | None] = []
+    for i, delivered in sorted(resumed.items()):
+        times = token_times[i]
+        delays.append(times[delivered] - kill_at if delivered < len(times) else None)
+    return delays
+
+
+def pick_serving(candidates: Sequence[tuple[int, float]], standby: bool) -> int:
+    """The pid of the serving engine's process among ``(pid, create_time)`` of one name: with
+    a standby (started after the serving engine) the oldest, else the newest (a replaced
+    engine's are gone)."""
+    if not candidates:
+        raise ValueError("no process to pick")
+    pick = min if standby else max
+    return pick(candidates, key=lambda c: c[1])[0]
+
+
+def engine_starts(begun: float | None, ups: Sequence[float]) -> list[float]:
+    """Engine start times from the log: the first engine from ``begun`` (the server's line
+    before it) to the first "up" line; each later engine, started once the one before was up
+    (a standby), from that "up" line to its own."""
+    if begun is None or not ups:
+        return []
+    marks = [begun, *ups]
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def cpu_percent(cpu_before: float, cpu_after: float, wall_s: float) -> float:
+    """CPU seconds used over ``wall_s`` as per cent of one core."""
+    return 100.0 * (cpu_after - cpu_before) / wall_s
+
+
+def spread(values: Sequence[float]) -> float:
+    """``max - min`` relative to the median (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+# --- servers ----------------------------------------------------------------------------------
+
+class LogWatch:
+    """When each of ``lines`` appeared in a growing log file (``time.time()``, every
+    appearance, polled every 0.1 s by a thread of its own until ``stop()``)."""
+
+    def __init__(self, path: Path, lines: Sequence[str]) -> None:
+        self.path = path
+        self.seen: dict[str, list[float]] = {line: [] for line in lines}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True, name="bench-log")
+        self._thread.start()
+
+    def _poll(self) -> None:
+        offset, rest = 0, b""
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                data = b""
+            if data:
+                offset += len(data)
+                *complete, rest = (rest + data).split(b"\n")
+                now = time.time()
+                for raw in complete:
+                    text = raw.decode(errors="replace")
+                    for line, times in self.seen.items():
+                        if line in text:
+                            times.append(now)
+            if stopping:
+                return
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+
+class BenchServer(ScenarioServer):
+    """A ``ScenarioServer`` of the scenario's engine settings with ``fault_tolerance`` as
+    given (the ranks' event log in the server's folder) in place of the scenario's."""
+
+    def __init__(self, scenario: Scenario, model_dir: str, work: Path,
+                 fault_tolerance: dict[str, Any]) -> None:
+        from ftkit import plan_serve
+
+        work.mkdir(parents=True)
+        super().__init__(scenario, model_dir, work)
+        options = server_options(scenario, self.port, str(self.event_log_dir))
+        at = options.index("--additional-config") + 1
+        settings = {**fault_tolerance}
+        if settings.get("enabled"):
+            settings["event_log_dir"] = str(self.event_log_dir)
+        options[at] = json.dumps({CONFIG_KEY: settings})
+        options.append("--no-async-scheduling")  # as recovery needs it, on both sides
+        environ = {**os.environ, INJECT_SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1",
+                   "TMPDIR": str(work / "tmp")}
+        self.launch = plan_serve(model_dir, options, environ, python=sys.executable)
+        self.start_s: float | None = None
+        self.watch: LogWatch | None = None
+
+    def start(self, deadline: float) -> None:
+        began = time.monotonic()
+        self.log.touch()
+        self.watch = LogWatch(self.log, WATCHED_LOGS)
+        super().start(deadline)
+        self.start_s = time.monotonic() - began
+
+    def close(self) -> None:
+        super().close()
+        if self.watch is not None:
+            self.watch.stop()
+
+    def engine_starts(self) -> list[float]:
+        """Each engine's start seen in the log: the first from the line the server logs
+        before it starts its engine to the engine core's "up" line, each later one (the
+        standby, a replacement) from the one before's "up" line (or a restart's begin)."""
+        assert self.watch is not None
+        begun = self.watch.seen[RESTART_LOG][:1]
+        ups = self.watch.seen[ENGINE_UP_LOG]
+        return engine_starts(begun[0] if begun else None, ups)
+
+    def text(self) -> str:
+        return self.output_tail(chars=10**8)
+
+    def wait_for(self, line: str, deadline: float) -> None:
+        """Wait until the server's log has ``line``; ``RuntimeError`` past ``deadline``."""
+        while line not in self.text():
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(f"the server ended before logging {line!r}:\n"
+                                   f"{self.output_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not log {line!r} in time")
+            time.sleep(0.1)
+
+    def engines(self) -> list[list[psutil.Process]]:
+        """Each engine's processes (its engine core and everything below it), oldest first."""
+        root = psutil.Process(self.process.pid)
+        cores = [p for p in root.children(recursive=True) if _named(p, ENGINE_CORE)]
+        cores.sort(key=lambda p: p.create_time())
+        return [[core, *core.children(recursive=True)] for core in cores]
+
+    def serving_worker(self, standby: bool, name: str = KILL_TARGET) -> int:
+        root = psutil.Process(self.process.pid)
+        named = [(p.pid, p.create_time()) for p in root.children(recursive=True)
+                 if _named(p, name)]
+        return pick_serving(named, standby)
+
+
+def _named(proc: psutil.Process, name: str) -> bool:
+    try:
+        return name in proc.name() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@contextlib.contextmanager
+def serving(work: Path, label: str, fault_tolerance: dict[str, Any],
+            scenario: Scenario, model_dir: str) -> Iterator[BenchServer]:
+    server = BenchServer(scenario, model_dir, work / label, fault_tolerance)
+    try:
+        print(f"serve: starting the {label} server", flush=True)
+        server.start(time.monotonic() + START_TIMEOUT_S)
+        print(f"serve: {label} server up after {server.start_s:.1f} s", flush=True)
+        yield server
+    finally:
+        server.close()
+
+
+# --- the clients ------------------------------------------------------------------------------
+
+@dataclass
+class Driven:
+    streams: list[Stream]
+    timed_out: bool
+    #: When ``during`` ran, seconds after the streams' release.
+    during_at: float | None = None
+
+    def times(self) -> list[list[float]]:
+        return [s.token_times for s in self.streams]
+
+    def outputs(self) -> list[tuple[list[int], list[float]]]:
+        return [(s.token_ids, s.logprobs) for s in self.streams]
+
+    def errors(self) -> list[str]:
+        return [s.error for s in self.streams if s.error is not None]
+
+
+def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_tokens: int,
+          during: Callable[[], None] | None = None, during_after: int = 0) -> Driven:
+    """Every prompt of ``texts`` streamed at once as ``<tag>-<i>`` (greedy, ``max_tokens``
+    tokens each, ``ignore_eos``); ``during()`` runs once any stream delivered
+    ``during_after`` tokens (or ended). Bounded by ``RUN_TIMEOUT_S``."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    streams = [Stream(i) for i in range(len(texts))]
+    start = threading.Event()
+    t0 = [time.monotonic()]
+    threads = [threading.Thread(target=stream_one, daemon=True, name=f"bench-{tag}-{i}",
+                                args=(server.base_url, model, "completions", f"{tag}-{i}",
+                                      text, sampling, streams[i], start, t0, deadline))
+               for i, text in enumerate(texts)]
+    for thread in threads:
+        thread.start()
+    t0[0] = time.monotonic()
+    start.set()
+    during_at = None
+    if during is not None:
+        while time.monotonic() < deadline:
+            if any(not t.is_alive() for t in threads) or any(
+                    len(s.token_times) >= during_after for s in streams):
+                break
+            time.sleep(0.005)
+        during()
+        during_at = time.monotonic() - t0[0]  # ``during`` ends with what it does (a kill)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return Driven(streams, any(t.is_alive() for t in threads), during_at)
+
+
+# --- 1. tokens per second, recovery on and off ------------------------------------------------
+
+def measure_throughput(servers: dict[str, tuple[BenchServer, str]], plan: Plan
+                       ) -> dict[str, Any]:
+    texts = prompts(plan.streams)
+    per_side: dict[str, list[float]] = {name: [] for name in servers}
+    failures: dict[str, int] = {name: 0 for name in servers}
+    names = list(servers)
+    for name, (server, model) in servers.items():  # warm each server up once
+        drive(server, model, f"warm-{name}", texts[:2], 8)
+    for r in range(plan.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            server, model = servers[name]
+            settle()
+            run = drive(server, model, f"tps-{name}-{r}", texts, plan.max_tokens)
+            failures[name] += len(run.errors()) + int(run.timed_out)
+            rate = tokens_per_s(run.times())
+            per_side[name].append(rate or 0.0)
+            print(f"serve: {name} repeat {r}: {rate or 0:.0f} tokens/s", flush=True)
+    ratios = paired_ratios(per_side["on"], per_side["off"])
+    return {"tokens_per_s": per_side, "ratios": ratios, "failed_streams": failures,
+            "ratio_spread": spread(ratios)}
+
+
+# --- 2. faults through the live route ---------------------------------------------------------
+
+def measure_faults(server: BenchServer, model: str, plan: Plan) -> dict[str, Any]:
+    texts = prompts(plan.fault_streams, seed=11)
+    reference = drive(server, model, "ref", texts, plan.fault_tokens)
+    check = drive(server, model, "ref2", texts, plan.fault_tokens)
+    rows = []
+    for case in (f for f in FAULTS if f.name in plan.faults):
+        settle()
+        tag = "f-" + re.sub(r"\W+", "-", case.name)
+        before = len(FIRED_LOG.findall(server.text()))
+        answer = inject_live_fault(server.url, case.body(f"{tag}-{FAULT_REQUEST}", FAULT_TOKEN),
+                                   server.secret)
+        run = drive(server, model, tag, texts, plan.fault_tokens)
+        time.sleep(0.2)  # the log line of the last firing
+        fired = FIRED_LOG.findall(server.text())[before:]
+        rows.append({"case": case.name, "kind": case.kind, "rank": case.rank,
+                     "planned": case.times, "fired": len(fired),
+                     "planned_index": answer.get("planned", {}).get("index"),
+                     "largest_gap_s": largest_gap(run.times()),
+                     "failed_streams": len(run.errors()), "timed_out": run.timed_out,
+                     "errors": run.errors()[:3],
+                     "mismatched": mismatched(reference.outputs(), run.outputs())})
+        print(f"serve: {case.name}: largest gap {rows[-1]['largest_gap_s']}, "
+              f"{len(rows[-1]['mismatched'])} streams differ", flush=True)
+    return {"streams": len(texts), "max_tokens": plan.fault_tokens,
+            "token": FAULT_TOKEN, "request": FAULT_REQUEST,
+            "reference_gap_s": largest_gap(reference.times()),
+            "reference_errors": len(reference.errors()),
+            "reference_repeat_mismatched": mismatched(reference.outputs(), check.outputs()),
+            "rows": rows}
+
+
+# --- 3. SIGKILL of a worker -------------------------------------------------------------------
+
+def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> dict[str, Any]:
+    texts = prompts(plan.kill_streams, seed=13)
+    reference = drive(server, model, "kill-ref", texts, plan.kill_tokens)
+    settle()
+    killed: list[int] = []
+    assert server.watch is not None
+    ups_before = len(server.watch.seen[ENGINE_UP_LOG])
+    killed_at = [0.0]
+
+    def kill() -> None:
+        pid = server.serving_worker(standby)
+        killed_at[0] = time.time()
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    run = drive(server, model, "kill-run", texts, plan.kill_tokens, during=kill,
+                during_after=KILL_AFTER_TOKENS)
+    assert run.during_at is not None
+    time.sleep(0.2)  # the server's last lines
+    text = server.text()
+    running = [i for i, s in enumerate(run.streams)
+               if sum(1 for t in s.token_times if t <= run.during_at) < plan.kill_tokens]
+    delays = resume_delays(run.during_at, run.times(), resumed_after(text, "kill-run"))
+    resumed = [d for d in delays if d is not None]
+    complete = [i for i, s in enumerate(run.streams) if s.error is None
+                and len(s.token_ids) == plan.kill_tokens]
+    differ = [i for i in complete if (run.streams[i].token_ids, run.streams[i].logprobs)
+              != (reference.streams[i].token_ids, reference.streams[i].logprobs)]
+    found = NEW_ENGINE_LOG.findall(text)
+    ups = server.watch.seen[ENGINE_UP_LOG][ups_before:]
+    print(f"serve: {'standby' if standby else 'cold'} kill: {len(resumed)}/{len(delays)} "
+          f"resumed, slowest {max(resumed) if resumed else None}, "
+          f"{len(run.errors())} failed", flush=True)
+    return {"mode": "standby" if standby else "cold", "streams": len(texts),
+            "max_tokens": plan.kill_tokens, "killed_pid": killed[0] if killed else None,
+            "kill_at_s": run.during_at, "running_at_kill": len(running),
+            "resumed": len(resumed),
+            # Every stream the server resumed delivered the new engine's first token.
+            "all_resumed_s": (max(resumed) if resumed and len(resumed) == len(delays)
+                              else None),
+            "resumed_by_server": len(delays),
+            "slowest_resumed_s": max(resumed) if resumed else None,
+            "failed_streams": len(run.errors()) + int(run.timed_out),
+            "errors": run.errors()[:3], "complete": len(complete), "differ": differ,
+            "reference_errors": len(reference.errors()),
+            "server_restart_s": float(found[-1]) if found else None,
+            # A cold replacement's engine core up (in the log), after the kill.
+            "new_engine_up_s": ups[0] - killed_at[0] if ups and not standby else None}
+
+
+# --- 4. the standby's idle cost ---------------------------------------------------------------
+
+def measure_idle(server: BenchServer, idle_s: float) -> dict[str, Any]:
+    """RSS, USS and CPU of each engine's processes over ``idle_s`` seconds without requests."""
+    time.sleep(SETTLE_S)
+    engines = server.engines()
+    labels = ["serving", "standby"] if len(engines) == 2 else [f"engine {i}" for i in
+                                                               range(len(engines))]
+
+    def cpu(procs: list[psutil.Process]) -> float:
+        total = 0.0
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    before = [cpu(procs) for procs in engines]
+    began = time.monotonic()
+    time.sleep(idle_s)
+    wall = time.monotonic() - began
+    after = [cpu(procs) for procs in engines]
+    rows = []
+    for label, procs, b, a in zip(labels, engines, before, after):
+        rss = uss = 0
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                info = p.memory_full_info()
+                rss += info.rss
+                uss += info.uss
+        rows.append({"engine": label, "processes": len(procs), "rss_bytes": rss,
+                     "uss_bytes": uss, "cpu_percent": cpu_percent(b, a, wall)})
+    return {"idle_s": wall, "engines": rows}
+
+
+# --- the suite --------------------------------------------------------------------------------
+
+def _scenario() -> Scenario:
+    scenario = load_scenario(SCENARIO)
+    return scenario.model_copy(update={"engine": scenario.engine.model_copy(
+        update={"max_model_len": MAX_MODEL_LEN})})
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # the servers are closed on the way out
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    plan = QUICK if quick else Plan()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    scenario = _scenario()
+    model_dir = tiny_model()
+    off = {"enabled": False}
+    on = {"enabled": True}
+    faults = {"enabled": True, "injection": True, "max_restarts": 1}
+    standby = {"enabled": True, "max_restarts": 1, "standby": True}
+    result: dict[str, Any] = {"plan": asdict(plan), "tp": scenario.engine.tensor_parallel_size,
+                              "settings": {"off": off, "on": on, "faults": faults,
+                                           "standby": standby}}
+    with tempfile.TemporaryDirectory(prefix="ftkit-bench-serve-") as tmp:
+        work = Path(tmp)
+        starts: dict[str, float | None] = {}
+        engines: dict[str, list[float]] = {}
+        with serving(work, "on", on, scenario, model_dir) as on_server, \
+                serving(work, "off", off, scenario, model_dir) as off_server:
+            starts["on"], starts["off"] = on_server.start_s, off_server.start_s
+            result["throughput"] = measure_throughput(
+                {"on": (on_server, on_server.model()),
+                 "off": (off_server, off_server.model())}, plan)
+        with serving(work, "faults", faults, scenario, model_dir) as f_server:
+            starts["faults"] = f_server.start_s
+            engines["faults"] = f_server.engine_starts()[:1]
+            model = f_server.model()
+            result["faults"] = measure_faults(f_server, model, plan)
+            settle()
+            result["kills"] = [measure_kill(f_server, model, plan, standby=False)]
+        with serving(work, "standby", standby, scenario, model_dir) as sb_server:
+            starts["standby"] = sb_server.start_s
+            sb_server.wait_for(STANDBY_READY_LOG, time.monotonic() + START_TIMEOUT_S)
+            # The serving engine's start, then the standby's (begun once the first was up).
+            engines["standby"] = sb_server.engine_starts()[:2]
+            result["idle"] = measure_idle(sb_server, plan.idle_s)
+            result["kills"].append(measure_kill(sb_server, sb_server.model(), plan,
+                                                standby=True))
+        result["server_start_s"] = starts
+        result["engine_starts_s"] = engines
+    result["engine_start_s"] = engine_start_s(engines)
+    return result
+
+
+def engine_start_s(engines: dict[str, list[float]]) -> float | None:
+    """The engine start the cold replacement is measured against: the ``faults`` server's
+    own engine's, at its launch (the server that is then killed)."""
+    first = engines.get("faults") or []
+    return first[0] if first else None
+
+
+# --- the tables -------------------------------------------------------------------------------
+
+def throughput_table(result: dict[str, Any]) -> str:
+    t = result["throughput"]
+    on, off = summarize(t["tokens_per_s"]["on"]), summarize(t["tokens_per_s"]["off"])
+    ratio = summarize(t["ratios"])
+    plan = result["plan"]
+    return markdown_table(
+        ["streams x tokens", "repeats", "off tokens/s", "on tokens/s", "on/off",
+         "failed streams (off/on)"],
+        [[f"{plan['streams']} x {plan['max_tokens']}", plan["repeats"], fmt_summary(off),
+          fmt_summary(on), fmt_summary(ratio, 3),
+          f"{t['failed_streams']['off']}/{t['failed_streams']['on']}"]])
+
+
+def fault_table(result: dict[str, Any]) -> str:
+    f = result["faults"]
+    rows = [["none (fault-free)", "-", "-", _ms(f["reference_gap_s"]), "-",
+             f["reference_errors"], "yes" if not f["reference_repeat_mismatched"] else
+             f"NO ({len(f['reference_repeat_mismatched'])} of {f['streams']} differ)"]]
+    for r in f["rows"]:
+        same = ("yes" if not r["mismatched"] and not r["failed_streams"] else
+                f"NO ({len(r['mismatched'])} of {f['streams']} differ)")
+        rows.append([r["case"], r["rank"], f"{r['fired']}/{r['planned']}",
+                     _ms(r["largest_gap_s"]), _ratio(r["largest_gap_s"], f["reference_gap_s"]),
+                     r["failed_streams"], same])
+    return markdown_table(["fault", "rank", "fired", "largest gap ms", "x fault-free",
+                           "failed streams", "every stream identical"], rows)
+
+
+def kill_table(result: dict[str, Any]) -> str:
+    rows = []
+    start = result.get("engine_start_s")
+    for k in result["kills"]:
+        rows.append([k["mode"], k["running_at_kill"],
+                     f"{k['resumed']}/{k.get('resumed_by_server', k['resumed'])}",
+                     _s(k["slowest_resumed_s"]), _s(k.get("new_engine_up_s")),
+                     _s(k["server_restart_s"]),
+                     k["failed_streams"],
+                     f"{k['complete'] - len(k['differ'])}/{k['streams']}"])
+    engines = result.get("engine_starts_s", {})
+    return (f"Engine start (server log, from the line the server logs before it starts its "
+            f"engine to the engine core's `init engine ... took`): {_s(start)} s on the "
+            f"`faults` server, the cold target's base; on the standby server "
+            + " and ".join(f"{_s(v)} s" for v in engines.get("standby", [])) + " (serving "
+            f"engine, then the standby, started once the first was up). Server starts (launch "
+            f"to `/health`): " + ", ".join(f"{name} {_s(v)} s" for name, v in
+                                          result["server_start_s"].items()) + ".\n\n"
+            + markdown_table(["replacement", "running at the kill (client)",
+                              "resumed streams with a new token / resumed by the server",
+                              "kill to every resumed stream's next token s",
+                              "kill to new engine up s", "server's replacement s", "failed streams",
+                              "complete and identical"], rows))
+
+
+def idle_table(result: dict[str, Any]) -> str:
+    idle = result["idle"]
+    return markdown_table(
+        ["engine (idle)", "processes", "RSS MiB", "USS MiB", "CPU % of a core"],
+        [[e["engine"], e["processes"], f"{e['rss_bytes'] / 2**20:.0f}",
+          f"{e['uss_bytes'] / 2**20:.0f}", f"{e['cpu_percent']:.1f}"]
+         for e in idle["engines"]])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.1f}"
+
+
+if __name__ == "__main__":
+    from benchmarks.suite import main
+
+    sys.exit(main("serve", run, sys.argv[1:], __doc__))

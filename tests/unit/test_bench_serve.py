@@ -1,0 +1,135 @@
+"""The serve benchmark suite's own arithmetic: tokens per second, gaps, stream comparison, the
+delays after a kill, which process is the serving engine's, CPU per cent, and its tables.
+(Performance itself is measured by ``make bench``, never asserted by a test.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import report, serve  # noqa: E402
+
+
+def test_tokens_per_s_counts_every_token_up_to_the_last():
+    assert serve.tokens_per_s([[0.5, 1.0], [0.5, 1.0, 2.0]]) == pytest.approx(5 / 2.0)
+    assert serve.tokens_per_s([[], []]) is None
+
+
+def test_largest_gap_is_within_one_stream_never_across():
+    assert serve.largest_gap([[0.0, 0.1, 0.5], [10.0, 10.2]]) == pytest.approx(0.4)
+    assert serve.largest_gap([[1.0], []]) is None
+
+
+def test_mismatched_names_streams_whose_ids_or_logprobs_differ():
+    ref = [([1, 2], [-0.1, -0.2]), ([3], [-0.3])]
+    assert serve.mismatched(ref, ref) == []
+    assert serve.mismatched(ref, [([1, 2], [-0.1, -0.25]), ([3], [-0.3])]) == [0]
+    assert serve.mismatched(ref, [([1, 2], [-0.1, -0.2]), ([4], [-0.3])]) == [1]
+    with pytest.raises(ValueError):
+        serve.mismatched(ref, ref[:1])
+
+
+def test_resumed_streams_are_read_from_the_servers_log():
+    log = ("WARNING ftkit: resuming request cmpl-kill-run-1-0 on the new engine after 7 "
+           "token(s)\nWARNING ftkit: resuming request cmpl-kill-run-12-0 on the new engine "
+           "after 0 token(s)\nWARNING ftkit: resuming request other-3 on the new engine "
+           "after 2 token(s)\n")
+    assert serve.resumed_after(log, "kill-run") == {1: 7, 12: 0}
+
+
+def test_resume_delays_count_the_new_engines_first_token_only():
+    # Stream 0 had 2 tokens when resumed: its third (at 9.0) is the new engine's first; the
+    # token at 5.1, after the kill at 5.0, was made before it.
+    times = [[1.0, 5.1, 9.0, 9.1], [1.0], [1.0, 2.0]]
+    assert serve.resume_delays(5.0, times, {0: 2, 1: 1}) == [4.0, None]
+    assert serve.resume_delays(5.0, times, {}) == []
+
+
+def test_the_serving_engines_process_is_the_oldest_only_beside_a_standby():
+    candidates = [(11, 100.0), (12, 105.0)]
+    assert serve.pick_serving(candidates, standby=True) == 11
+    assert serve.pick_serving(candidates, standby=False) == 12
+    with pytest.raises(ValueError):
+        serve.pick_serving([], standby=False)
+
+
+def test_cpu_percent_and_spread():
+    assert serve.cpu_percent(1.0, 1.5, 5.0) == pytest.approx(10.0)
+    assert serve.spread([1.0]) == 0.0
+    assert serve.spread([0.9, 1.0, 1.2]) == pytest.approx(0.3)
+
+
+def test_the_fault_body_is_what_the_injection_route_takes():
+    case = serve.FaultCase("uce kv", "uce", 1, params=(("region", "kv"),))
+    assert case.body("f-1", 8) == {"kind": "uce", "rank": 1, "phase": "forward", "times": 1,
+                                   "params": {"region": "kv"}, "request_id": "f-1", "token": 8}
+
+
+def test_engine_starts_are_laid_out_from_the_log_lines():
+    # The server's line at 100; the first engine up at 120; the standby, begun then, at 150.
+    assert serve.engine_starts(100.0, [120.0, 150.0]) == [20.0, 30.0]
+    assert serve.engine_starts(None, [120.0]) == []
+    assert serve.engine_start_s({"faults": [20.0], "standby": [21.0, 30.0]}) == 20.0
+    assert serve.engine_start_s({"faults": []}) is None
+
+
+def _result(cold: float | None, standby: float | None, failed: int = 0) -> dict:
+    def kill(mode: str, slowest: float | None) -> dict:
+        return {"mode": mode, "streams": 4, "max_tokens": 100, "killed_pid": 1,
+                "kill_at_s": 1.0, "running_at_kill": 4,
+                "resumed": 4 if slowest is not None else 0,
+                "resumed_by_server": 4 if slowest is not None else 0,
+                "all_resumed_s": slowest, "slowest_resumed_s": slowest,
+                "failed_streams": failed, "errors": [], "complete": 4, "differ": [],
+                "reference_errors": 0, "server_restart_s": 20.0}
+
+    return {
+        "suite": "serve", "quick": True, "wall_s": 1.0, "load_avg_1m_after": 1.0,
+        "machine": {"cpus": 2, "vllm": "x", "torch": "y", "commit": "c", "when": "now",
+                    "load_avg_1m": 1.0},
+        "plan": {"repeats": 2, "streams": 8, "max_tokens": 48, "fault_streams": 4,
+                 "fault_tokens": 32, "kill_streams": 4, "kill_tokens": 100, "idle_s": 4.0},
+        "tp": 2,
+        "throughput": {"tokens_per_s": {"on": [99.0, 101.0], "off": [100.0, 100.0]},
+                       "ratios": [0.99, 1.01], "failed_streams": {"on": 0, "off": 0},
+                       "ratio_spread": 0.02},
+        "faults": {"streams": 4, "max_tokens": 32, "token": 8, "request": 1,
+                   "reference_gap_s": 0.05, "reference_errors": 0,
+                   "reference_repeat_mismatched": [],
+                   "rows": [{"case": "device_reset", "kind": "device_reset", "rank": 0,
+                             "planned": 1, "fired": 1, "planned_index": 0,
+                             "largest_gap_s": 0.5, "failed_streams": 0, "timed_out": False,
+                             "errors": [], "mismatched": []}]},
+        "kills": [kill("cold", cold), kill("standby", standby)],
+        "server_start_s": {"on": 40.0, "off": 40.0, "faults": 40.0, "standby": 45.0},
+        "engine_starts_s": {"faults": [25.0], "standby": [25.0, 30.0]}, "engine_start_s": 25.0,
+        "idle": {"idle_s": 4.0, "engines": [
+            {"engine": "serving", "processes": 3, "rss_bytes": 2**30, "uss_bytes": 2**29,
+             "cpu_percent": 1.0},
+            {"engine": "standby", "processes": 3, "rss_bytes": 2**30, "uss_bytes": 2**29,
+             "cpu_percent": 0.5}]},
+    }
+
+
+def test_the_serve_section_checks_its_targets():
+    text = report.render({"serve": _result(cold=25.5, standby=0.4)})
+    assert "### Serving" in text
+    assert "on/off >= 0.99: met" in text
+    assert "cold replacement: every resumed stream's next token 25.50 s after the kill" in text
+    assert "standby" in text and "not met" not in text
+    missed = report.render({"serve": _result(cold=40.0, standby=2.0, failed=1)})
+    none = report.render({"serve": _result(cold=None, standby=0.5)})
+    assert "cold replacement: no stream was resumed" in none
+    # cold, standby, and the failed streams of each
+    assert missed.count("not met") == 4
+
+
+def test_the_serve_section_is_on_the_page_before_any_result():
+    text = report.render({})
+    assert "### Serving" in text and "python -m benchmarks --only serve" in text

@@ -1,0 +1,97 @@
+"""The server's watch of its engine's processes (``ftkit.vllm.restart``): it sees a worker of
+the engine core die at once (vLLM sees it seconds later), and hands the death to every request
+still waiting on the dead engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from ftkit.vllm import restart
+
+#: A stand-in engine core: a process with two children named as vLLM names its workers (the
+#: process title is what ``psutil`` reads) and one helper child of another name.
+CORE = r"""
+import subprocess, sys, time
+code = "import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); time.sleep(120)"
+kids = [subprocess.Popen([sys.executable, "-c", code, name])
+        for name in ("VLLM::Worker_TP0", "VLLM::Worker_TP1", "helper")]
+print(" ".join(str(k.pid) for k in kids), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def core():
+    proc = subprocess.Popen([sys.executable, "-c", CORE], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids += [int(p) for p in proc.stdout.readline().split()]
+        deadline = time.monotonic() + 30
+        while not all("Worker" in psutil.Process(p).name() for p in pids[:2]):
+            assert time.monotonic() < deadline, "the stand-in workers did not start"
+            time.sleep(0.05)
+        yield proc, pids
+    finally:
+        for pid in pids:  # ours, by id (orphaned once the stand-in core is killed)
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+def engine_of(pid: int) -> SimpleNamespace:
+    manager = SimpleNamespace(processes=[SimpleNamespace(pid=pid)])
+    return SimpleNamespace(engine_core=SimpleNamespace(
+        resources=SimpleNamespace(engine_manager=manager, engine_dead=False)))
+
+
+def test_the_watch_sees_a_killed_worker(core):
+    proc, (w0, w1, helper) = core
+    watched = restart._Processes.of(engine_of(proc.pid))
+    assert sorted(p.pid for p in watched.processes) == sorted([proc.pid, w0, w1])
+    assert not watched.one_died()
+    os.kill(helper, signal.SIGKILL)  # not a worker: not the engine's death
+    time.sleep(0.2)
+    assert not watched.one_died()
+    os.kill(w1, signal.SIGKILL)  # a zombie until its parent reaps it: dead all the same
+    deadline = time.monotonic() + 10
+    while not watched.one_died():
+        assert time.monotonic() < deadline, "the watch did not see the killed worker"
+        time.sleep(0.05)
+    assert watched.dead == f"pid {w1}"
+
+
+def test_the_watch_sees_a_killed_engine_core(core):
+    proc, _ = core
+    watched = restart._Processes.of(engine_of(proc.pid))
+    proc.kill()
+    proc.wait(10)
+    assert watched.one_died() and watched.dead == f"pid {proc.pid}"
+
+
+def test_an_engine_without_local_processes_is_left_to_vllms_own_watch():
+    assert restart._Processes.of(SimpleNamespace()).processes == []
+    assert not restart._Processes([]).one_died()
+
+
+def test_a_dead_engine_is_marked_and_its_waiting_requests_are_told():
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    told: list[BaseException] = []
+    engine = engine_of(1)
+    engine.output_processor = SimpleNamespace(propagate_error=told.append)
+    restart._mark_dead(engine)
+    assert engine.engine_core.resources.engine_dead is True
+    restart._end_requests(engine)
+    assert len(told) == 1 and isinstance(told[0], EngineDeadError)
