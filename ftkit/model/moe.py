@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ftkit.model.tiny import CONFIG as TINY_CONFIG
-from ftkit.model.tiny import WEIGHT_SEED, WEIGHT_STD, _build_tokenizer, build_cached
+from ftkit.model.tiny import (WEIGHT_SEED, WEIGHT_STD, _build_tokenizer, build_cached,
+                              save_weights)
 from ftkit.model.tiny import recipe_digest as tiny_digest
 
 TINY_MOE = "tiny-moe"
@@ -54,36 +56,19 @@ def recipe_digest() -> str:
 
 
 def _build_weights(out: Path, vocab: int) -> None:
-    import torch
-    from safetensors.torch import save_file
+    inter, experts = CONFIG["intermediate_size"], CONFIG["num_local_experts"]
 
-    c = CONFIG
-    h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
-    gen = torch.Generator().manual_seed(WEIGHT_SEED)
-
-    def draw(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * WEIGHT_STD).contiguous()
-
-    tensors = {"model.embed_tokens.weight": draw(vocab, h)}
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        tensors[f"{p}.input_layernorm.weight"] = torch.ones(h)
-        tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
-        tensors[f"{p}.self_attn.q_proj.weight"] = draw(heads * hd, h)
-        tensors[f"{p}.self_attn.k_proj.weight"] = draw(kv_heads * hd, h)
-        tensors[f"{p}.self_attn.v_proj.weight"] = draw(kv_heads * hd, h)
-        tensors[f"{p}.self_attn.o_proj.weight"] = draw(h, heads * hd)
+    def sparse_block(p: str, h: int, draw: Callable[..., Any]) -> dict[str, Any]:
         moe = f"{p}.block_sparse_moe"
-        tensors[f"{moe}.gate.weight"] = draw(c["num_local_experts"], h)
-        for expert in range(c["num_local_experts"]):
+        tensors = {f"{moe}.gate.weight": draw(experts, h)}  # the router
+        for expert in range(experts):
             e = f"{moe}.experts.{expert}"
             tensors[f"{e}.w1.weight"] = draw(inter, h)  # gate projection
             tensors[f"{e}.w2.weight"] = draw(h, inter)  # down projection
             tensors[f"{e}.w3.weight"] = draw(inter, h)  # up projection
-    tensors["model.norm.weight"] = torch.ones(h)
-    tensors["lm_head.weight"] = draw(vocab, h)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return tensors
+
+    save_weights(out, vocab, CONFIG, WEIGHT_STD, sparse_block)
 
 
 def _write_model(out: Path) -> None:

@@ -137,11 +137,25 @@ def _build_tokenizer(out: Path) -> int:
 
 def _build_weights(out: Path, vocab: int, config: dict[str, Any] = CONFIG,
                    std: float = WEIGHT_STD) -> None:
+    inter = config["intermediate_size"]
+
+    def mlp(p: str, h: int, draw: Callable[..., Any]) -> dict[str, Any]:
+        return {f"{p}.mlp.gate_proj.weight": draw(inter, h),
+                f"{p}.mlp.up_proj.weight": draw(inter, h),
+                f"{p}.mlp.down_proj.weight": draw(h, inter)}
+
+    save_weights(out, vocab, config, std, mlp)
+
+
+def save_weights(out: Path, vocab: int, config: dict[str, Any], std: float,
+                 mlp: Callable[[str, int, Callable[..., Any]], dict[str, Any]]) -> None:
+    """Write a decoder's random weights (from ``WEIGHT_SEED``): embeddings, each layer's norms
+    and attention, then ``mlp(layer_prefix, hidden, draw)``'s tensors for that layer (drawn in
+    that order), the final norm and the head."""
     import torch
     from safetensors.torch import save_file
 
     h = config["hidden_size"]
-    inter = config["intermediate_size"]
     heads = config["num_attention_heads"]
     kv_heads = config["num_key_value_heads"]
     hd = config["head_dim"]
@@ -159,9 +173,7 @@ def _build_weights(out: Path, vocab: int, config: dict[str, Any] = CONFIG,
         tensors[f"{p}.self_attn.k_proj.weight"] = draw(kv_heads * hd, h)
         tensors[f"{p}.self_attn.v_proj.weight"] = draw(kv_heads * hd, h)
         tensors[f"{p}.self_attn.o_proj.weight"] = draw(h, heads * hd)
-        tensors[f"{p}.mlp.gate_proj.weight"] = draw(inter, h)
-        tensors[f"{p}.mlp.up_proj.weight"] = draw(inter, h)
-        tensors[f"{p}.mlp.down_proj.weight"] = draw(h, inter)
+        tensors.update(mlp(p, h, draw))
     tensors["model.norm.weight"] = torch.ones(h)
     tensors["lm_head.weight"] = draw(vocab, h)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -135,7 +135,13 @@ class FaultRun:
 def feature_run(config: dict, timeout_s: float) -> dict:
     """Run ``_feature_run.py`` with ``config`` in a child process and return its ``RESULT``
     (per run name: completions, error, restarts, ...); the child must succeed."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_feature_run.py")),
+    return child_run("_feature_run.py", config, timeout_s)
+
+
+def child_run(script: str, config: dict, timeout_s: float) -> dict:
+    """Run ``script`` (beside this file) with ``config`` in a child process and return the
+    last ``RESULT`` line it prints; the child must succeed."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)),
                            json.dumps(config)], capture_output=True, text=True,
                           timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

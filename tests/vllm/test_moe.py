@@ -20,11 +20,10 @@ sampled token recorded.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_run
 
 from ftkit.model import TINY_MOE, resolve_model
 
@@ -67,12 +66,7 @@ TP1_FAULTS = _in_place_faults(0)
 
 
 def _child(config: dict, timeout_s: float) -> dict:
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_moe_run.py")),
-                           json.dumps(config)], capture_output=True, text=True,
-                          timeout=timeout_s)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return child_run("_moe_run.py", config, timeout_s)
 
 
 @pytest.fixture(scope="module")
