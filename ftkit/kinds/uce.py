@@ -76,6 +76,11 @@ class CorruptMemory(Injection):
                 raise InjectionError(
                     f"uce: the model has no parameter {params.parameter!r} that holds its "
                     f"data here; known: {', '.join(sorted(known))}")
+            # Refused before the run: a hit there would end the run, not be repaired.
+            why = site.memory.not_reloadable(params.parameter)
+            if why is not None:
+                raise InjectionError(f"uce: parameter {params.parameter!r} could not be "
+                                     f"reloaded after the fault: {why}; hit another one")
 
     def act(self, firing: Firing, site: InjectionSite) -> NoReturn:
         assert site.device is not None and site.memory is not None

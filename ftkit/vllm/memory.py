@@ -46,6 +46,11 @@ class MemoryHits:
     other: int = 0
 
 
+#: Why a parameter without a checkpoint tensor of its own name is not reloaded.
+NOT_RELOADABLE = ("vLLM builds it from several checkpoint tensors in a layout of its own, as "
+                  "it does an MoE layer's fused experts, which ftkit does not rebuild yet")
+
+
 class RunnerMemory:
     """The KV cache and weights of one rank's model runner, by address."""
 
@@ -154,10 +159,25 @@ class RunnerMemory:
         tensors = list(self._read_checkpoint(set(wanted)))
         missing = set(wanted) - {n for n, _ in tensors}
         if missing:
-            raise FtkitError(f"checkpoint tensors not found: {', '.join(sorted(missing))}")
+            raise FtkitError(f"checkpoint tensors not found: {', '.join(sorted(missing))} "
+                             f"({NOT_RELOADABLE})")
         with torch.no_grad():
             model.load_weights(tensors)
         return sorted(names)
+
+    def not_reloadable(self, name: str) -> str | None:
+        """Why a memory error in parameter ``name`` could not be repaired by reloading it
+        from the checkpoint (``None``: it can)."""
+        try:
+            wanted = set(self._checkpoint_names(self.runner.get_model(), name))
+            found = {n for n, _ in self._read_checkpoint(wanted)}
+        except FtkitError as exc:
+            return str(exc)
+        missing = wanted - found
+        if missing:
+            return (f"the checkpoint has no tensor {', '.join(sorted(missing))} "
+                    f"({NOT_RELOADABLE})")
+        return None
 
     @staticmethod
     def _checkpoint_names(model: Any, name: str) -> list[str]:

@@ -84,6 +84,8 @@ class RestartingEngine:
         #: Dead engines replaced, whose renderer the server's handlers may still use.
         self._retired: list[Any] = []
         self._watcher: asyncio.Future[None] | None = None
+        #: The engine the watch looks at, and its processes as found when it began to.
+        self._watched: tuple[Any, _Processes] | None = None
         #: Seconds each replacement took, from the death seen to the new engine ready.
         self.restart_seconds: list[float] = []
 
@@ -165,12 +167,12 @@ class RestartingEngine:
             self._watcher = asyncio.ensure_future(self._watch_engine())
 
     async def _watch_engine(self) -> None:
-        watched: tuple[Any, _Processes] | None = None
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
             engine = self._engine
+            watched = self._watched
             if watched is None or watched[0] is not engine:
-                watched = (engine, _Processes.of(engine))
+                watched = self._watched = (engine, _Processes.of(engine))
             if not engine.errored and self._can_restart() and watched[1].one_died():
                 # vLLM itself sees a worker's death only once its engine core has given the
                 # other workers their grace periods (seconds): the engine is dead now.
@@ -202,6 +204,10 @@ class RestartingEngine:
         # output loop tells them when it meets the death; ending the engine below cancels that
         # loop, and a request it had not told yet would wait for ever.)
         _end_requests(dead)
+        # Its workers that still live would be ended by its engine core only after their
+        # grace period (seconds of a cold start's wait); they serve no one any more.
+        if self._watched is not None and self._watched[0] is dead:
+            self._watched[1].end_workers()
         self.restarts += 1
         began = time.monotonic()
         log.warning("ftkit: the engine died (%s); replacing it (restart %d of %d, %s)",
@@ -261,23 +267,39 @@ class _Processes:
     """The processes of one engine (its engine core and that core's workers, which vLLM names
     ``...Worker...``), to see one of them die."""
 
-    def __init__(self, processes: list[Any]) -> None:
+    def __init__(self, processes: list[Any], workers: list[Any] | None = None) -> None:
         self.processes = processes
+        #: Those of ``processes`` that are workers.
+        self.workers = workers or []
         self.dead = ""
 
     @classmethod
     def of(cls, engine: Any) -> _Processes:
         import psutil
 
-        found: list[Any] = []
+        cores: list[Any] = []
+        workers: list[Any] = []
         try:
             manager = engine.engine_core.resources.engine_manager
             for proc in getattr(manager, "processes", None) or []:
                 core = psutil.Process(proc.pid)
-                found += [core, *(c for c in core.children() if "Worker" in c.name())]
+                cores.append(core)
+                workers += [c for c in core.children() if "Worker" in c.name()]
         except Exception:  # noqa: BLE001 - an engine without local processes: vLLM's own watch
             return cls([])
-        return cls(found)
+        return cls(cores + workers, workers)
+
+    def end_workers(self) -> None:
+        """SIGKILL the workers still alive (``psutil`` checks that each pid is still the
+        process found, not one that took its number since). Their engine core, left alive,
+        then ends itself and removes what it shared with them as vLLM does."""
+        import psutil
+
+        for proc in self.workers:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass  # gone already
 
     def one_died(self) -> bool:
         import psutil

@@ -23,18 +23,21 @@ from test_run_e2e import FTKIT, ROOT, tagged_env, tagged_processes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-#: Each cripple: the code that switches one repair off, the kinds whose damage it leaves and
-#: the seed of its campaign (one whose first 20 scenarios include a damaging one).
+#: Each cripple: the code that switches one repair off, the kinds whose damage it leaves, the
+#: seed of its campaign and its budget: the scenarios up to the first damaging one of that seed
+#: (run 6, 2 and 4), so that the campaign shrinks one failure (a longer one finds the same
+#: damage again under other signatures and spends minutes shrinking each).
 CRIPPLES = {
     "rollback": ("from ftkit.vllm import runner_state\n"
                  "runner_state.V1RunnerState.rollback_execute = "
-                 "lambda self, scheduler_output: None\n", ["--kinds", "oom", "--seed", "2"]),
+                 "lambda self, scheduler_output: None\n",
+                 ["--kinds", "oom", "--seed", "2", "--budget", "7"]),
     "kv": ("from ftkit.vllm.kv_recompute import KvRecompute\n"
            "KvRecompute.run = lambda self, scheduler_output, call: None\n",
-           ["--kinds", "device_reset", "--seed", "3"]),
+           ["--kinds", "device_reset", "--seed", "3", "--budget", "3"]),
     "reload": ("from ftkit.vllm.memory import RunnerMemory\n"
                "RunnerMemory.reload_params = lambda self, names: []\n",
-               ["--kinds", "uce", "--seed", "3"]),
+               ["--kinds", "uce", "--seed", "3", "--budget", "5"]),
 }
 
 
@@ -97,7 +100,7 @@ def test_a_crippled_recovery_is_found_and_shrunk(tmp_path, cache_dir, cripple):
     out = tmp_path / "out"
     report = tmp_path / "explore.json"
     # One phase and two features: fewer signatures of the same damage to shrink.
-    proc = ftkit(["explore", "--budget", "20", "--tp", "1", *space,
+    proc = ftkit(["explore", "--tp", "1", *space,
                   "--phases", "forward", "--features", "seeded,lengths", "-q",
                   "--out", str(out), "--json", str(report)], cache_dir, cripple=patch)
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]

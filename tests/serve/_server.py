@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import psutil
 import pytest
 
@@ -109,3 +110,11 @@ def vllm_server(model: str, log: Path, *, tp: int = 2,
         procs.kill_tree(root, session=process.pid)
         process.wait(timeout=10)
 
+
+def served_model(base_url: str) -> str:
+    """The server's model, asked on a connection of its own: a stream that reused the
+    connection of this request could meet the server closing it (vLLM keeps an idle
+    connection 5 s, and a loaded API server answers seconds late) and fail with "Server
+    disconnected without sending a response" before the server saw it."""
+    with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60) as client:
+        return client.models.list().data[0].id

@@ -20,7 +20,7 @@ from typing import Any
 
 import openai
 import pytest
-from _server import SECRET, vllm_server
+from _server import SECRET, served_model, vllm_server
 
 from ftkit import INJECT_SECRET_ENV as SECRET_ENV
 from ftkit import inject_live_fault
@@ -43,7 +43,7 @@ def stream(base_url: str, key: str, prompt: str, max_tokens: int = MAX_TOKENS,
     finish = None
     try:
         chunks = client.completions.create(
-            model=client.models.list().data[0].id, prompt=prompt, max_tokens=max_tokens,
+            model=served_model(base_url), prompt=prompt, max_tokens=max_tokens,
             temperature=0, logprobs=1, stream=True, extra_headers={"X-Request-Id": key},
             extra_body={"return_tokens_as_token_ids": True})
         for chunk in chunks:

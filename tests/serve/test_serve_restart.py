@@ -25,7 +25,7 @@ from typing import Any
 import openai
 import psutil
 import pytest
-from _server import vllm_server
+from _server import served_model, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -53,8 +53,8 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 def stream(base_url: str, key: str, api: str, fields: dict[str, Any]) -> dict[str, Any]:
     """One streamed request: per completion its token ids, logprobs and finish reason, the
     time each token arrived, or the error that ended the stream."""
+    model = served_model(base_url)
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=300)
-    model = client.models.list().data[0].id
     got: dict[int, dict[str, Any]] = {}
     error = None
     try:
@@ -86,7 +86,7 @@ def stream(base_url: str, key: str, api: str, fields: dict[str, Any]) -> dict[st
                 seen["times"] += [time.monotonic()] * len(tokens)
                 seen["finish"] = choice.finish_reason or seen["finish"]
     except openai.OpenAIError as exc:
-        error = repr(exc)
+        error = repr(exc) + (f" from {exc.__cause__!r}" if exc.__cause__ else "")
     return {"completions": got, "error": error}
 
 
@@ -219,10 +219,30 @@ def without_times(run: dict[str, Any]) -> dict[str, Any]:
             for i, c in run["completions"].items()}
 
 
+def first_difference(run: dict[str, Any], ref: dict[str, Any]) -> str:
+    """Where ``run``'s completions first differ from ``ref``'s, in words."""
+    got, want = without_times(run), without_times(ref)
+    if sorted(got) != sorted(want):
+        return f"completions {sorted(got)} instead of {sorted(want)}"
+    for index in sorted(want):
+        for field in ("tokens", "logprobs", "text", "finish"):
+            a, b = got[index][field], want[index][field]
+            if a == b:
+                continue
+            if isinstance(a, (list, str)):
+                at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y),
+                          min(len(a), len(b)))
+                return (f"completion {index}: {field} differ from position {at} (lengths "
+                        f"{len(a)} and {len(b)}): {a[at:at + 5]!r} instead of {b[at:at + 5]!r}")
+            return f"completion {index}: {field} {a!r} instead of {b!r}"
+    return "no difference"
+
+
 def assert_exact(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
     for i, (run, ref) in enumerate(zip(runs, reference)):
         assert run["error"] is None, f"request {i}: {run['error']}"
-        assert without_times(run) == without_times(ref), f"request {i} differs"
+        assert without_times(run) == without_times(ref), \
+            f"request {i} differs: {first_difference(run, ref)}"
 
 
 #: The stop-string request (index in ``REQUESTS``).
@@ -268,7 +288,7 @@ def requests(server: Any) -> list[tuple[str, dict[str, Any]]]:
 @pytest.fixture(scope="module")
 def reference(server: Any, requests: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     runs, _ = run_all(server.base_url, "ref", requests)
-    assert all(r["error"] is None for r in runs), runs
+    assert all(r["error"] is None for r in runs), [r["error"] for r in runs]
     assert len(runs[2]["completions"]) == 2  # n = 2
     stopped = runs[STOP]["completions"][0]
     assert stopped["finish"] == "stop" and 600 < len(stopped["tokens"]) < MAX_TOKENS, stopped

