@@ -51,6 +51,10 @@ NOT_RELOADABLE = ("vLLM builds it from several checkpoint tensors in a layout of
                   "it does an MoE layer's fused experts, which ftkit does not rebuild yet")
 
 
+def _missing_reason(missing: set[str]) -> str:
+    return f"the checkpoint has no tensor {', '.join(sorted(missing))} ({NOT_RELOADABLE})"
+
+
 class RunnerMemory:
     """The KV cache and weights of one rank's model runner, by address."""
 
@@ -159,8 +163,7 @@ class RunnerMemory:
         tensors = list(self._read_checkpoint(set(wanted)))
         missing = set(wanted) - {n for n, _ in tensors}
         if missing:
-            raise FtkitError(f"checkpoint tensors not found: {', '.join(sorted(missing))} "
-                             f"({NOT_RELOADABLE})")
+            raise FtkitError(_missing_reason(missing))
         with torch.no_grad():
             model.load_weights(tensors)
         return sorted(names)
@@ -170,14 +173,11 @@ class RunnerMemory:
         from the checkpoint (``None``: it can)."""
         try:
             wanted = set(self._checkpoint_names(self.runner.get_model(), name))
-            found = {n for n, _ in self._read_checkpoint(wanted)}
+            found = {key for key, _ in self._checkpoint_entries(wanted)}
         except FtkitError as exc:
             return str(exc)
         missing = wanted - found
-        if missing:
-            return (f"the checkpoint has no tensor {', '.join(sorted(missing))} "
-                    f"({NOT_RELOADABLE})")
-        return None
+        return _missing_reason(missing) if missing else None
 
     @staticmethod
     def _checkpoint_names(model: Any, name: str) -> list[str]:
@@ -190,6 +190,13 @@ class RunnerMemory:
         return [name]
 
     def _read_checkpoint(self, names: set[str]):
+        """The checkpoint tensors of ``names`` that exist: (name, tensor)."""
+        for key, handle in self._checkpoint_entries(names):
+            yield key, handle.get_tensor(key)
+
+    def _checkpoint_entries(self, names: set[str]):
+        """Those of ``names`` the checkpoint holds, each with its open file (read from the
+        files' headers: no tensor data is loaded)."""
         from safetensors import safe_open
 
         if self.model_path is None:
@@ -205,7 +212,7 @@ class RunnerMemory:
             with safe_open(str(root / file), framework="pt") as f:
                 for key in f.keys():
                     if key in names:
-                        yield key, f.get_tensor(key)
+                        yield key, f
 
     # --- activations ----------------------------------------------------------------------------
 

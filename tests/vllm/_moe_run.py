@@ -8,8 +8,9 @@ engine's fault-free run, under the name ``plain``), and runs: a list of ``{"name
 (``FaultSpec`` dicts), "max_restarts" (default 0), "cripple" (optional: ``"kv"``, lost KV not
 recomputed during this run; reaches the worker only of an engine in this process)}`` on
 ftkit's engine. Prints one ``RESULT <json>`` line: per run name (``{"refused": ERROR}`` for a
-plan the workers refused), every request's tokens and logprobs, the error, the engine restarts, the faults that fired (index, kind, attempt), the
-lost KV recomputed and the weights reloaded.
+plan the workers refused), every request's tokens and logprobs, the error, the engine
+restarts, the faults that fired (index, kind, attempt), the lost KV recomputed and the
+weights reloaded.
 """
 
 import json
