@@ -54,9 +54,13 @@ log = logging.getLogger("ftkit")
 class StepState(Protocol):
     """What the recovery engine needs from the model runner (given by ``ftkit.vllm``)."""
 
-    #: True while device state a fault destroyed (lost KV) waits to be rebuilt: only then
-    #: does the wrapper call ``before_attempt``.
+    #: True while passes must run before an attempt (lost KV waits to be rebuilt, or a step
+    #: has positions of its own to compute first): only then does the wrapper call
+    #: ``before_attempt``.
     repair_pending: bool
+
+    def prepare(self, scheduler_output: Any) -> Any:
+        """The step to run (and keep, for re-runs) in place of ``scheduler_output``."""
 
     def rollback_execute(self, scheduler_output: Any) -> None:
         """Undo what ``execute_model(scheduler_output)`` changed, however far it got."""
@@ -128,6 +132,7 @@ class StepWrapper:
         self._attempt_hooks = [hook for hook in self.hooks if hook.attempts_wanted]
 
     def execute_model(self, call: Callable[[Any], Any], scheduler_output: Any) -> Any:
+        scheduler_output = self.state.prepare(scheduler_output)
         self.step = step = self.step + 1
         self.rpc = rpc = self.rpc + 1
         self._execute_before = self._execute

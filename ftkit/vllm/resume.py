@@ -5,7 +5,9 @@ left to roll back. ``EngineSession.generate`` then starts a new engine and submi
 unfinished request again as a *resumed request*: its prompt is the original prompt's token ids
 followed by the tokens it had already produced, its budget the tokens still to produce, and its
 id ``ftkit:<run>:<index>+<offset>`` says how many tokens it had (``offset``). Greedy requests
-then continue exactly: the re-prefill computes the same logits the lost decode step would have.
+then continue exactly: the workers compute the re-prefill's decoded positions one token per
+pass, as the lost engine's decode steps did (``ftkit.vllm.kv_recompute.ResumedPrefill``), and
+its last step computes the logits the lost decode step would have.
 What counts output tokens is adjusted (``max_tokens`` and ``min_tokens`` count what is left),
 and the front end detokenizes the joined stream with the original request's detokenizer
 (``ftkit.vllm.workload``): the finished text and the stop strings, one straddling the kill

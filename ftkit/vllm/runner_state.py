@@ -52,6 +52,7 @@ parallelism; ``check_supported`` says so at start rather than corrupting a run.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -60,7 +61,7 @@ from typing import Any
 import torch
 
 from ftkit.errors import FtkitError
-from ftkit.vllm.kv_recompute import KvRecompute, RecomputeReport, empty_batch
+from ftkit.vllm.kv_recompute import KvRecompute, RecomputeReport, ResumedPrefill, empty_batch
 from ftkit.vllm.resume import fast_forward
 
 
@@ -179,9 +180,15 @@ class V1RunnerState:
         self.runner = runner
         self.rng = rng or _HostRng()
         self.kv = KvRecompute(runner)
+        self.resumed = ResumedPrefill(runner)
+        #: The last two steps ``prepare`` gave out, each with the positions its passes compute
+        #: before every attempt of it (a resumed request's prefill): the step in flight and
+        #: the one before, which a round may still run again.
+        self._planned: collections.deque[tuple[Any, list[Any]]] = collections.deque(maxlen=2)
         self.on_kv_recomputed = on_kv_recomputed
         self._fast_forwarded: dict[str, Any] = {}
-        #: Whether lost KV waits to be recomputed (``StepState.repair_pending``).
+        #: Whether passes must run before an attempt (``StepState.repair_pending``): lost KV
+        #: to recompute, or a step with planned positions.
         self.repair_pending = False
         #: Request states that ``_update_states`` forgot since the last sampling (finished
         #: requests), so that ``rollback_execute`` can bring them back.
@@ -199,6 +206,17 @@ class V1RunnerState:
         self._on_removed(req_id, state)
 
     # --- execute_model ----------------------------------------------------------------------
+
+    def prepare(self, scheduler_output: Any) -> Any:
+        """The step to run for ``scheduler_output``: itself, or a resumed request's prefill
+        rewritten to compute as its lost engine did (``ResumedPrefill``)."""
+        step, work = self.resumed.rewrite(scheduler_output)
+        self._planned.append((step, work))
+        self._update_pending()
+        return step
+
+    def _update_pending(self) -> None:
+        self.repair_pending = bool(self.kv.lost) or any(work for _, work in self._planned)
 
     def rollback_execute(self, scheduler_output: Any) -> None:
         """Undo what ``execute_model(scheduler_output)`` changed, whether or not the failed
@@ -254,22 +272,23 @@ class V1RunnerState:
     def mark_kv_lost(self, blocks: Iterable[int] = (), *, all_blocks: bool = False) -> None:
         """Record KV blocks whose contents are gone (every block after a device reset)."""
         self.kv.mark_lost(blocks, all_blocks=all_blocks)
-        self.repair_pending = bool(self.kv.lost)
+        self._update_pending()
 
     def pending_kv(self) -> tuple[int, ...]:
         """The KV blocks still to recompute (reported to a round: every rank agrees on them)."""
         return tuple(sorted(self.kv.lost))
 
     def before_attempt(self, scheduler_output: Any, call: Callable[[Any], Any]) -> None:
-        """Before an attempt of ``execute_model``: recompute the lost KV the step reads."""
-        if not self.kv.lost:
-            self.repair_pending = False
-            return
+        """Before an attempt of ``execute_model``: recompute the lost KV the step reads, and
+        compute the positions planned for the step (every attempt, on every rank alike)."""
+        planned = next((work for step, work in self._planned if step is scheduler_output), [])
+        lost = bool(self.kv.lost)
         try:
-            report = self.kv.run(scheduler_output, call)
+            report = (self.kv.compute(scheduler_output, call, planned) if planned
+                      else self.kv.run(scheduler_output, call))
         finally:
-            self.repair_pending = bool(self.kv.lost)
-        if report is not None and self.on_kv_recomputed is not None:
+            self._update_pending()
+        if lost and report is not None and self.on_kv_recomputed is not None:
             self.on_kv_recomputed(report)
 
     # --- sample_tokens ----------------------------------------------------------------------

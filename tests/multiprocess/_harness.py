@@ -246,6 +246,9 @@ class RecordingState:
 
     repair_pending = False  # it loses no device state
 
+    def prepare(self, scheduler_output: Any) -> Any:
+        return scheduler_output
+
     def before_attempt(self, scheduler_output: Any, call: Any) -> None:
         raise AssertionError("before_attempt runs only while repair_pending")
 

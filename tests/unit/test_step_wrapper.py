@@ -51,6 +51,9 @@ class State:
     def reset_batch(self) -> None:
         pass
 
+    def prepare(self, scheduler_output: Any) -> Any:
+        return scheduler_output
+
     def before_attempt(self, scheduler_output: Any, call: Any) -> None:
         self.repairs.append(scheduler_output)
         self.repair_pending = False

@@ -129,6 +129,17 @@ runner_state.V1RunnerState.reset_batch = lambda self: None
 from ftkit.vllm import kv_recompute
 kv_recompute.KvRecompute.run = lambda self, scheduler_output, call: None
 """, [("ftkit.vllm.kv_recompute", "KvRecompute", "run")]),
+    # Lost KV is recomputed by prefills alone, of the positions its request had decoded too.
+    "decodes_prefilled": ("""\
+from ftkit.vllm import kv_recompute
+kv_recompute._prefilled = lambda req_id, prompt_token_ids, prompt_embeds: 1 << 30
+""", [("ftkit.vllm.kv_recompute", None, "_prefilled")]),
+    # A resumed request's prompt is prefilled as vLLM schedules it, the tokens it had decoded
+    # before the engine died included.
+    "resume_prefilled": ("""\
+from ftkit.vllm import kv_recompute
+kv_recompute.ResumedPrefill.rewrite = lambda self, scheduler_output: (scheduler_output, [])
+""", [("ftkit.vllm.kv_recompute", "ResumedPrefill", "rewrite")]),
     # Weights hit by a memory error are not reloaded.
     "no_reload": ("""\
 from ftkit.vllm import memory
