@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "skipped_from_report": "ftkit.report", "TABLE_COLUMNS": "ftkit.report",
     "overrides_from_report": "ftkit.report",
     "table_cells": "ftkit.report", "verdict_label": "ftkit.report",
+    "client_summary": "ftkit.report",
     # chaos search (ftkit explore)
     "Budget": "ftkit.explore", "Campaign": "ftkit.explore", "CampaignEvent": "ftkit.explore",
     "CampaignResult": "ftkit.explore", "ExploreOptions": "ftkit.explore",
@@ -113,7 +114,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     from ftkit.model import (TINY, TINY_MOE, build_tiny_model, build_tiny_moe_model,
                              build_wide_model, resolve_model)
     from ftkit.progress import EventSink, ProgressEvent
-    from ftkit.report import (TABLE_COLUMNS, SkippedScenario, overrides_from_report,
+    from ftkit.report import (TABLE_COLUMNS, SkippedScenario, client_summary,
+                              overrides_from_report,
                               read_json_report, results_from_report, skipped_from_report,
                               table_cells, verdict_label, write_html_report,
                               write_json_report, write_junit_report)

@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ftkit import (TABLE_COLUMNS, ProgressEvent, ScenarioResult, SkippedScenario, Verdict,
-                   table_cells, verdict_label)
+                   client_summary, table_cells, verdict_label)
 
 __all__ = [
     "PHASE_LABELS",
@@ -116,8 +116,8 @@ class RunHeader:
 
 class VerdictReport:
     """The final report: the fields the run overrode (``overrides``, as ``FIELD=VALUE``), the
-    verdict table, the reason of every non-pass, what was not run (``skipped``), and a
-    summary line."""
+    verdict table, the client view of every serve scenario, the reason of every non-pass,
+    what was not run (``skipped``), and a summary line."""
 
     def __init__(self, results: Sequence[ScenarioResult],
                  skipped: Sequence[SkippedScenario] = (),
@@ -131,6 +131,9 @@ class VerdictReport:
             yield overrides_text(self.overrides)
         if self.results:
             yield verdict_table(self.results)
+        for result in self.results:
+            if result.client is not None:
+                yield Text.assemble((result.name, "bold"), ": ", client_summary(result.client))
         for result in self.results:
             if Verdict(result.verdict) is not Verdict.PASS:
                 yield Text.assemble(verdict_text(result.verdict), " ", (result.name, "bold"),

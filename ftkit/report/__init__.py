@@ -27,7 +27,7 @@ from ftkit.report.journal import (
     write_json_report,
 )
 from ftkit.report.junit import write_junit_report
-from ftkit.report.table import TABLE_COLUMNS, table_cells, verdict_label
+from ftkit.report.table import TABLE_COLUMNS, client_summary, table_cells, verdict_label
 
 __all__ = [
     "REPORT_VERSION",
@@ -35,6 +35,7 @@ __all__ = [
     "ReportContents",
     "ReportSource",
     "SkippedScenario",
+    "client_summary",
     "environment_info",
     "ftkit_version",
     "overrides_from_report",

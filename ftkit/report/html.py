@@ -27,7 +27,9 @@ from ftkit.report.journal import (
 from ftkit.report.table import (
     NONE,
     TABLE_COLUMNS,
+    client_summary,
     fault_label,
+    seconds_label,
     table_cells,
     tokens_around,
     verdict_label,
@@ -165,8 +167,8 @@ def _scenario_section(position: int, result: ScenarioResult) -> str:
     else:
         parts.append(f"<figure>{svg}</figure>" if svg is not None
                      else "<p>No token times were recorded: no timeline.</p>")
-    parts += [_faults_table(result), _recoveries_table(result), _divergence(result),
-              "</section>"]
+    parts += [_faults_table(result), _recoveries_table(result), _clients_table(result),
+              _divergence(result), "</section>"]
     return "\n".join(p for p in parts if p)
 
 
@@ -180,8 +182,8 @@ def _faults_table(result: ScenarioResult) -> str:
         recovered = "yes" if fault.recovered else "no"
         rows.append(_row([
             fault_label(fault), f"request {fault.request} token {fault.token}", fault.phase,
-            str(fault.times), fired, step, _time(fault.at_s), recovered,
-            _time(fault.recovery_s)], text={0, 1, 2}))
+            str(fault.times), fired, step, seconds_label(fault.at_s), recovered,
+            seconds_label(fault.recovery_s)], text={0, 1, 2}))
     headers = ("fault", "trigger", "phase", "times", "fired", "step", "fired at", "recovered",
                "recovery")
     return "<h3>Faults</h3>\n" + _table(headers, rows, text={0, 1, 2})
@@ -191,11 +193,27 @@ def _recoveries_table(result: ScenarioResult) -> str:
     if not result.recoveries:
         return ""
     rows = [_row([str(r.step), r.kind, r.decision, str(r.attempt),
-                  ", ".join(str(rank) for rank in r.ranks), _time(r.at_s),
-                  _time(r.duration_s), r.reason], text={1, 2, 7})
+                  ", ".join(str(rank) for rank in r.ranks), seconds_label(r.at_s),
+                  seconds_label(r.duration_s), r.reason], text={1, 2, 7})
             for r in result.recoveries]
     headers = ("step", "kind", "decision", "attempt", "ranks", "started", "duration", "reason")
     return "<h3>Recovery rounds</h3>\n" + _table(headers, rows, text={1, 2, 7})
+
+
+def _clients_table(result: ScenarioResult) -> str:
+    """A serve scenario's streams as its clients saw them, the faulted run's then the
+    fault-free run's."""
+    client = result.client
+    if client is None:
+        return ""
+    rows = [_row([run, "background" if s.background else str(s.request), str(s.tokens),
+                  seconds_label(s.ttft_s), seconds_label(s.max_gap_s), s.error or NONE],
+                 text={0, 1, 5})
+            for run, streams in (("faulted", client.run), ("fault-free", client.baseline))
+            for s in streams]
+    headers = ("run", "request", "tokens", "first token", "largest gap", "error")
+    return (f"<h3>Clients</h3>\n<p>{_e(client_summary(client))}</p>\n"
+            + _table(headers, rows, text={0, 1, 5}))
 
 
 def _divergence(result: ScenarioResult) -> str:
@@ -258,6 +276,3 @@ def _diverged(index: int, divergence: int | None) -> str:
 def _list(items: Iterable[str]) -> str:
     return "<ul>\n" + "\n".join(f"<li>{item}</li>" for item in items) + "\n</ul>"
 
-
-def _time(seconds: float | None) -> str:
-    return NONE if seconds is None else f"{seconds:.3f} s"

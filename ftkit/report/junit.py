@@ -31,7 +31,7 @@ from ftkit.report.journal import (
     atomic_write_text,
     report_contents,
 )
-from ftkit.report.table import describe_fault, tokens_around, verdict_label
+from ftkit.report.table import client_summary, describe_fault, tokens_around, verdict_label
 from ftkit.results import ScenarioResult, Verdict
 from ftkit.scenario.overrides import override_lines
 from ftkit.verify import describe_divergence
@@ -135,7 +135,8 @@ def _failure_text(result: ScenarioResult) -> str:
 
 
 def _evidence(result: ScenarioResult) -> str:
-    """What the run did: faults fired, re-inferences, recovery time."""
+    """What the run did: faults fired, re-inferences, recovery time, and a serve scenario's
+    client view."""
     fired = sum(1 for f in result.faults if f.fired)
     lines = [f"faults fired: {fired}/{len(result.faults)}"]
     lines += [f"  {describe_fault(f)}" for f in result.faults]
@@ -144,6 +145,8 @@ def _evidence(result: ScenarioResult) -> str:
                  "round(s)")
     lines.append(f"tokens compared: {result.tokens_compared} in {len(result.requests)} "
                  "request(s)")
+    if result.client is not None:
+        lines.append(client_summary(result.client))
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ The verdict table has one row per scenario: scenario, verdict, requests, tokens 
 divergence (the first difference from the baseline: "req R tok T" for a token id, with the
 field named for another, as "req R tok T logprob"; see ``divergence_label``), faults
 (fired/planned), re-inferences, recovery (total seconds). Around it: fault labels and
-descriptions, and the tokens around a divergence.
+descriptions, the tokens around a divergence, and a serve scenario's client view
+(``client_summary``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from ftkit.results import (
     STOP_REASON,
     TEXT,
     TOP_LOGPROBS,
+    ClientView,
     FaultRecord,
     RequestComparison,
     ScenarioResult,
     Verdict,
 )
 
-__all__ = ["NONE", "TABLE_COLUMNS", "describe_fault", "divergence_label", "fault_label",
-           "table_cells", "tokens_around", "verdict_label"]
+__all__ = ["NONE", "TABLE_COLUMNS", "client_summary", "describe_fault", "divergence_label",
+           "fault_label", "seconds_label", "table_cells", "tokens_around", "verdict_label"]
 
 TABLE_COLUMNS = ("scenario", "verdict", "requests", "tokens", "divergence", "faults",
                  "re-inferences", "recovery")
@@ -130,3 +132,22 @@ def describe_fault(fault: FaultRecord) -> str:
     else:
         outcome = "not recovered"
     return f"{trigger}: fired{where}{when}, {fault.attempts} attempt(s), {outcome}"
+
+
+def seconds_label(seconds: float | None) -> str:
+    """``1.234 s``, or ``NONE`` for a time not known."""
+    return NONE if seconds is None else f"{seconds:.3f} s"
+
+
+def client_summary(client: ClientView) -> str:
+    """A serve scenario's client view in one line: the faulted run's streams, its longest time
+    to first token, its largest gap between two tokens of a stream (and the fault-free run's),
+    and the requests that failed or were retried (the clients never retry)."""
+    background = sum(1 for s in client.run if s.background)
+    streams = f"{len(client.run)} stream(s)" + (f", {background} of them background load"
+                                               if background else "")
+    return (f"clients ({client.api}): {streams}; first token within "
+            f"{seconds_label(client.max_ttft_s)}; largest gap between two tokens "
+            f"{seconds_label(client.max_gap_s)} (fault-free run: "
+            f"{seconds_label(client.baseline_max_gap_s)}); failed requests "
+            f"{client.failed_requests}, retried 0")

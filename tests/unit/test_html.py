@@ -290,3 +290,45 @@ def test_a_request_with_several_completions_counts_once_in_the_table():
     result.requests.append(RequestComparison(index=0, expected=[1], actual=[1],
                                              first_divergence=None, samples=2))
     assert table_cells(result)[2] == "1"
+
+
+def served() -> ScenarioResult:
+    """A serve scenario: two streams and one background stream, one failed."""
+    from ftkit.results import ClientView, StreamView
+
+    result = recovered()
+    result.name = "served"
+    result.client = ClientView(
+        api="chat",
+        run=[StreamView(0, 16, ttft_s=0.25, max_gap_s=3.5),
+             StreamView(1, 9, ttft_s=0.75, max_gap_s=None, error="APIConnectionError: gone"),
+             StreamView(0, 16, ttft_s=0.5, max_gap_s=0.125, background=True)],
+        baseline=[StreamView(0, 16, ttft_s=0.2, max_gap_s=0.0625),
+                  StreamView(1, 16, ttft_s=0.3, max_gap_s=0.05)])
+    return result
+
+
+def test_a_serve_scenario_shows_its_clients_in_every_report(tmp_path):
+    from ftkit.report import write_junit_report
+
+    summary = ("clients (chat): 3 stream(s), 1 of them background load; first token within "
+               "0.750 s; largest gap between two tokens 3.500 s (fault-free run: 0.062 s); "
+               "failed requests 1, retried 0")
+    journal = write_json_report([served(), untimed()], tmp_path / "r.json")
+    page = html_report(read_json_report(journal))  # what the journal kept
+    assert page.count("<h3>Clients</h3>") == 1 and summary in page
+    rows = [[re.sub(r"<[^>]+>", "", cell) for cell in re.findall(r"<td[^>]*>.*?</td>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", page.split("<h3>Clients</h3>")[1]
+                                  .split("</table>")[0])]
+    assert rows[1:] == [  # rows[0] is the header
+        ["faulted", "0", "16", "0.250 s", "3.500 s", "-"],
+        ["faulted", "1", "9", "0.750 s", "-", "APIConnectionError: gone"],
+        ["faulted", "background", "16", "0.500 s", "0.125 s", "-"],
+        ["fault-free", "0", "16", "0.200 s", "0.062 s", "-"],
+        ["fault-free", "1", "16", "0.300 s", "0.050 s", "-"]]
+    shown = Console(file=io.StringIO(), width=400, highlight=False)
+    shown.print(VerdictReport([served(), untimed()]))
+    assert f"served: {summary}" in shown.file.getvalue()
+    assert shown.file.getvalue().count("clients (") == 1
+    junit = write_junit_report([served()], tmp_path / "r.xml").read_text(encoding="utf-8")
+    assert summary in junit
