@@ -13,6 +13,8 @@ The events, one class each::
     RecoveryRound    this rank's part of one recovery round: its status and the decision
     KvRecomputed     lost KV was recomputed before a re-run
     ParamsReloaded   parameters hit by a memory error were reloaded
+    EngineReplaced   a server's engine died and was replaced (written by the API server,
+                     as rank -1: ``ftkit.vllm.restart``)
 
 Each line is ``{"event": NAME, "v": VERSION, "rank": ..., "time": ..., <fields>}``. A reader
 skips a line cut short by a killed process; a line of another version is an error.
@@ -147,9 +149,25 @@ class ParamsReloaded(Event):
     params: list[str]
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineReplaced(Event):
+    """A server's engine that died, replaced by a new engine (or the warm standby), which
+    resumed the requests the dead one ran. ``time``: when the new engine took over."""
+
+    NAME: ClassVar[str] = "engine_replaced"
+    #: How the death showed.
+    error: str
+    #: From the death being acted on until the new engine took over.
+    restart_s: float
+    standby: bool
+
+
+#: The rank an API server's events carry: it is no rank of the engine.
+SERVER_RANK = -1
+
 _BY_NAME: dict[str, type[Event]] = {
     cls.NAME: cls for cls in (FaultFired, StepRecovered, RecoveryRound, KvRecomputed,
-                              ParamsReloaded)
+                              ParamsReloaded, EngineReplaced)
 }
 
 E = TypeVar("E", bound=Event)

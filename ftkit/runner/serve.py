@@ -5,7 +5,8 @@ plugin, driven by streaming ``openai`` clients, judged by the same oracle as an 
 
 1. start one server (``ftkit.serve.launch.plan_serve``: the command and environment of
    ``ftkit serve``) with the scenario's engine settings, recovery on, injection on with a fresh
-   secret, and the ranks' event log in a folder of the run;
+   secret, one engine restart per fault that kills a process, and the ranks' event log in a
+   folder of the run;
 2. the fault-free run: every request (and ``workload.background_streams`` extra streams) at
    once, each on its own connection with ``X-Request-Id: <run>-ref-<request index>``;
 3. plan each scenario fault through the injection route for request ``<run>-run-<index>``
@@ -13,7 +14,9 @@ plugin, driven by streaming ``openai`` clients, judged by the same oracle as an 
 4. the faulted run, alike, as ``<run>-run-<index>``;
 5. the verdict: ``ftkit.verify`` compares the faulted run's token ids, logprobs and finish
    reasons with the fault-free run's; the faults' records come from the ranks' event log
-   (``ftkit.runner.events``), so a fault that never fired is ``not_applied``, as offline.
+   (``ftkit.runner.events``), so a fault that never fired is ``not_applied``, as offline; a
+   killed process is recovered by the server's replacement of its engine (``EngineReplaced``,
+   ``server_restarts``).
 
 The oracle is the same server's fault-free run, not vLLM's batch-invariant mode: concurrent
 streams make each step's batch depend on arrival times, and the scenario passes only where the
@@ -55,8 +58,10 @@ from ftkit.bounds import (
     scenario_round_timeout_s,
 )
 from ftkit.config import CONFIG_KEY
-from ftkit.contracts.eventlog import read_events
+from ftkit.contracts.eventlog import EngineReplaced, Event, only, read_events
+from ftkit.contracts.job import EngineRestart
 from ftkit.errors import FtkitError
+from ftkit.kinds import kind_spec
 from ftkit.progress import EventSink, ProgressEvent, ignore_events
 from ftkit.results import ClientView, RequestOutput, RunOutput, ScenarioResult, StreamView
 from ftkit.runner.events import collect_events, events_of_run
@@ -234,12 +239,16 @@ def _cli_option(name: str, value: Any) -> list[str]:
 
 def server_options(scenario: Scenario, port: int, event_log_dir: str) -> list[str]:
     """The options of ``ftkit serve MODEL OPTIONS...`` for ``scenario``: its engine settings,
-    recovery with injection on, the ranks' event log in ``event_log_dir``, loopback ``port``."""
+    recovery with injection on (and one engine restart per fault that kills a process), the
+    ranks' event log in ``event_log_dir``, loopback ``port``."""
     engine = scenario.engine
     recovery = {"enabled": True, "injection": True,
                 "max_reinference": scenario.recovery.max_reinference,
                 "round_timeout_s": scenario_round_timeout_s(scenario.expect.timeout_s),
                 "event_log_dir": event_log_dir}
+    kills = sum(1 for f in scenario.faults if kind_spec(f.kind).ends_process)
+    if kills:  # the server replaces its engine once per kill, and resumes every stream
+        recovery["max_restarts"] = kills
     options = ["--tensor-parallel-size", str(engine.tensor_parallel_size),
                "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
                "--block-size", str(engine.block_size), "--seed", str(engine.seed),
@@ -362,6 +371,14 @@ def plan_faults(server: ScenarioServer, scenario: Scenario, tag: str) -> None:
                              f"is not a fresh server")
 
 
+def server_restarts(events: list[Event], origin: float | None) -> list[EngineRestart]:
+    """The server's engine replacements (``EngineReplaced``), times from ``origin``."""
+    zero = origin or 0.0
+    return [EngineRestart(error=e.error, died_at_s=e.time - e.restart_s - zero,
+                          restart_s=e.restart_s, resumed_at_s=e.time - zero)
+            for e in only(events, EngineReplaced)]
+
+
 # --- the scenario -------------------------------------------------------------------------
 
 def run_serve_scenario(scenario: Scenario, *, file: str, model_dir: str,
@@ -390,8 +407,10 @@ def run_serve_scenario(scenario: Scenario, *, file: str, model_dir: str,
         on_event(ProgressEvent(scenario.name, "tokens", "faulted run"))
         run = drive(server.base_url, model, scenario, f"{tag}-run", deadline)
         events = events_of_run(read_events(server.event_log_dir), None, since)
+        origin = run.output.started_at
+        run.output.restarts = server_restarts(events, origin)
         run.output.faults, run.output.recoveries = collect_events(
-            events, scenario.faults, origin=run.output.started_at)
+            events, scenario.faults, origin=origin, restarts=run.output.restarts)
     except FtkitError as exc:
         detail = str(exc)
         if server is not None:

@@ -16,9 +16,9 @@ reproduced (every randomly sampled request has a seed); and, with recovery on,
 ``engine.args`` turn on nothing that ftkit cannot recover (pipeline, data or expert
 parallelism, speculative decoding, asynchronous scheduling). Last, the serving rules
 (``_serve_problems``): ``workload.api`` and ``workload.background_streams`` need
-``engine.mode: serve``; a serve scenario runs with recovery on, kills no process (a server does
-not survive it yet) and asks for no field its streaming clients do not compare (``n``,
-``logprobs``, ``prompt_logprobs``).
+``engine.mode: serve``; a serve scenario runs with recovery on (its server replaces the engine
+once per fault that kills a process) and asks for no field its streaming clients do not
+compare (``n``, ``logprobs``, ``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -346,13 +346,6 @@ def _serve_problems(scenario: Scenario) -> list[Problem]:
                       "a serve scenario plans its faults through the server's injection "
                       "route, which needs recovery on: set recovery.enabled true (or "
                       "engine.mode offline)"))
-    for index, fault in enumerate(scenario.faults):
-        if kind_spec(fault.kind).ends_process:
-            found.append((("faults", index, "kind"),
-                          f"{fault.kind} cannot be injected into a server yet (the injector "
-                          f"kills only in engines ftkit started itself): use engine.mode "
-                          f"offline for it; a server with fault_tolerance.max_restarts "
-                          f"survives a kill from outside (docs/serving.md)"))
     spec = scenario.sampling_spec()
     for index in range(workload.prompt_count()):
         kwargs = spec.for_request(index)

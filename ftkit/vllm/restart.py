@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.config import RecoveryConfig
+from ftkit.contracts.eventlog import SERVER_RANK, EngineReplaced, EventLog
 from ftkit.contracts.requests import served_resume_id
 
 log = logging.getLogger("ftkit")
@@ -73,6 +74,8 @@ class RestartingEngine:
         self._start = start
         self.max_restarts = config.max_restarts
         self.standby_wanted = config.standby
+        #: The replacements, in the ranks' event log when the settings name one.
+        self._events = EventLog(SERVER_RANK, config.event_log_dir)
         self._engine = start(True)
         self._standby: Any = None
         self._standby_thread: threading.Thread | None = None
@@ -225,6 +228,9 @@ class RestartingEngine:
                 loop.run_in_executor(None, functools.partial(_shut_down, dead))
             self.restart_seconds.append(time.monotonic() - began)
             log.warning("ftkit: the new engine serves after %.2f s", self.restart_seconds[-1])
+            self._events.emit(EngineReplaced(error=_death_of(dead),
+                                             restart_s=self.restart_seconds[-1],
+                                             standby=standby))
             if self.standby_wanted and self._can_restart():
                 self._prepare_standby()
         except Exception as exc:

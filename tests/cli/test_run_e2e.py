@@ -213,6 +213,12 @@ def test_bundled_scenario_library_passes(cache_dir, tmp_path):
     exhausted = scenarios["link_flap_exhausted"]
     assert "max_reinference is 3" in exhausted["error"]
     assert exhausted["faults"][0]["attempts"] == 4
+    # A worker of a live server killed mid-stream: the server replaced its engine (the
+    # restart the runner gave it) and every stream went on, with no client error.
+    served = scenarios["serve_process_kill"]
+    [kill] = served["faults"]
+    assert kill["fired"] and kill["recovered"] and kill["restart_s"] > 0
+    assert served["client"]["failed_requests"] == 0 and len(served["client"]["run"]) == 5
 
 
 def test_timeout_stops_the_run_and_reaps_every_process(tmp_path, cache_dir):

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.config import CONFIG_KEY
+from ftkit.contracts.eventlog import SERVER_RANK, EngineReplaced, FaultFired
 from ftkit.results import ClientView, ScenarioResult, StreamView, Verdict
 from ftkit.runner import serve
+from ftkit.runner.events import collect_events
 from ftkit.scenario import ScenarioErrors, load_scenario, load_scenario_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,16 +62,34 @@ def test_serve_fields_in_an_offline_scenario_are_refused_where_written():
     assert "set engine.mode serve" in problems(text)[0][2]
 
 
-def test_a_process_kill_under_a_server_is_refused_with_the_reason():
+def test_a_process_kill_under_a_server_gives_the_server_one_restart_per_kill():
     text = SERVE.replace("{kind: link_flap, rank: 1, at: {request: 1, token: 3}, times: 2}",
                          "{kind: process_kill, rank: 1, at: {request: 1, token: 3}}")
-    [(line, field, message)] = problems(text)
-    assert (line, field) == (9, "faults[0].kind")
-    assert "process_kill cannot be injected into a server yet" in message
-    assert "engine.mode offline" in message
-    # The same fault offline is valid.
-    load_scenario_text(text.replace(", mode: serve", "").replace(
-        "  api: completions\n  background_streams: 1\n", ""))
+    settings = serve.server_options(load_scenario_text(text), 8000, "/events")  # valid
+    recovery = json.loads(settings[settings.index("--additional-config") + 1])[CONFIG_KEY]
+    assert recovery["max_restarts"] == 1
+    without = serve.server_options(load_scenario_text(SERVE), 8000, "/events")
+    assert "max_restarts" not in json.loads(
+        without[without.index("--additional-config") + 1])[CONFIG_KEY]
+
+
+def test_the_servers_engine_replacements_are_the_runs_restarts():
+    replaced = EngineReplaced(error="EngineDeadError", restart_s=4.5, standby=False,
+                              rank=SERVER_RANK, time=1010.0)
+    other = FaultFired(run_id=None, index=0, kind="process_kill", request=1, token=3,
+                       phase="forward", step=9, attempt=1, pid=7, rank=1, time=1000.0)
+    [restart] = serve.server_restarts([other, replaced], origin=1000.0)
+    assert (restart.died_at_s, restart.restart_s, restart.resumed_at_s) == (5.5, 4.5, 10.0)
+    assert restart.error == "EngineDeadError"
+    # The kill, recovered by that restart.
+    spec = load_scenario_text(SERVE.replace(
+        "{kind: link_flap, rank: 1, at: {request: 1, token: 3}, times: 2}",
+        "{kind: process_kill, rank: 1, at: {request: 1, token: 3}}")).faults
+    [record], _ = collect_events([other, replaced], spec[:1], origin=1000.0,
+                                 restarts=[restart])
+    assert record.fired and record.recovered and record.restart_s == 4.5
+    [unrecovered], _ = collect_events([other], spec[:1], origin=1000.0)
+    assert unrecovered.fired and not unrecovered.recovered
 
 
 def test_a_serve_scenario_needs_recovery_on():
