@@ -250,9 +250,10 @@ STOP = 3
 
 
 def late_stop(text: str) -> str:
-    """A short string that first appears about two thirds into ``text``: a stop string that the
-    request resumed after a kill early in the streams finds."""
-    for begin in range(2 * len(text) // 3, len(text) - 4):
+    """A short string that first appears about five sixths into ``text``: a stop string that
+    the request resumed after a kill finds. (Two thirds in, a kill that a loaded machine
+    delayed by 11 s came after the request had stopped, and it was not resumed.)"""
+    for begin in range(5 * len(text) // 6, len(text) - 4):
         for size in (4, 5, 6):
             candidate = text[begin:begin + size]
             if candidate.isascii() and candidate.isprintable() \
@@ -291,7 +292,7 @@ def reference(server: Any, requests: list[tuple[str, dict[str, Any]]]) -> list[d
     assert all(r["error"] is None for r in runs), [r["error"] for r in runs]
     assert len(runs[2]["completions"]) == 2  # n = 2
     stopped = runs[STOP]["completions"][0]
-    assert stopped["finish"] == "stop" and 600 < len(stopped["tokens"]) < MAX_TOKENS, stopped
+    assert stopped["finish"] == "stop" and 1000 < len(stopped["tokens"]) < MAX_TOKENS, stopped
     return runs
 
 
