@@ -109,9 +109,12 @@ class KvRecompute:
             return None
         started = time.monotonic()
         work, seen = self._find_work(scheduler_output) if self.lost else ([], [])
-        lost_ids = {w.req_id for w in work}
-        work = [w for w in work if w.req_id not in {p.req_id for p in planned}] + [
-            dataclasses.replace(p, start=0) if p.req_id in lost_ids else p for p in planned]
+        if planned:  # a planned request that also lost KV is computed from position 0
+            lost_ids = {w.req_id for w in work}
+            planned_ids = {p.req_id for p in planned}
+            work = [w for w in work if w.req_id not in planned_ids] + [
+                dataclasses.replace(p, start=0) if p.req_id in lost_ids else p
+                for p in planned]
         passes = self._plan(work)
         rows = list(self.runner.input_batch.req_ids)
         for chunk in passes:
@@ -279,11 +282,11 @@ class ResumedPrefill:
         work: list[_Work] = []
         counts = so.num_scheduled_tokens
         for new in so.scheduled_new_reqs:
-            length = _prompt_length(new.prompt_token_ids, new.prompt_embeds)
-            prefilled = _prefilled(new.req_id, new.prompt_token_ids, new.prompt_embeds)
-            if prefilled < length:  # resumed
+            offset = resumed_offset(new.req_id)
+            if offset:
+                length = _prompt_length(new.prompt_token_ids, new.prompt_embeds)
                 item = self._plan(new.req_id, new.num_computed_tokens, counts[new.req_id],
-                                  prefilled, length)
+                                  length - offset, length)
                 if item is not None:
                     work.append(dataclasses.replace(item, new=new))
         cached = so.scheduled_cached_reqs
