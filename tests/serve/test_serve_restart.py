@@ -126,6 +126,10 @@ def post(server: Any, path: str) -> None:
 KILLER = f"""
 import os, signal, sys, time
 log, before, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:  # ahead of the server's busy processes where the system lets it (as root)
+    os.setpriority(os.PRIO_PROCESS, 0, -10)
+except OSError:
+    pass
 deadline = time.monotonic() + 120
 while open(log, errors="replace").read().count({UNPAUSED!r}) <= before:
     if time.monotonic() > deadline:
@@ -238,11 +242,23 @@ def first_difference(run: dict[str, Any], ref: dict[str, Any]) -> str:
     return "no difference"
 
 
-def assert_exact(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+def assert_exact(runs: list[dict[str, Any]], reference: list[dict[str, Any]],
+                 server: Any = None) -> None:
+    """Every stream of ``runs`` without an error and as ``reference``'s (on failure, with
+    ``server``'s own lines of ftkit)."""
+    context = "" if server is None else "\n" + ftkit_lines(server)
     for i, (run, ref) in enumerate(zip(runs, reference)):
-        assert run["error"] is None, f"request {i}: {run['error']}"
+        assert run["error"] is None, f"request {i}: {run['error']}{context}"
         assert without_times(run) == without_times(ref), \
-            f"request {i} differs: {first_difference(run, ref)}"
+            f"request {i} differs: {first_difference(run, ref)}{context}"
+
+
+def ftkit_lines(server: Any, last: int = 40) -> str:
+    """The server log's last ``last`` lines of ftkit and of vLLM's engine errors: what a
+    failed kill test says about the replacement."""
+    lines = [line for line in server.output().splitlines()
+             if "ftkit:" in line or "ERROR" in line]
+    return "server log (ftkit and errors):\n" + "\n".join(lines[-last:])
 
 
 #: The stop-string request (index in ``REQUESTS``).
@@ -250,11 +266,13 @@ STOP = 3
 
 
 def late_stop(text: str) -> str:
-    """A short string that first appears about five sixths into ``text``: a stop string that
-    the request resumed after a kill finds. (Two thirds in, a kill that a loaded machine
-    delayed by 11 s came after the request had stopped, and it was not resumed.)"""
-    for begin in range(5 * len(text) // 6, len(text) - 4):
-        for size in (4, 5, 6):
+    """A short string that first appears about nine tenths into ``text``: a stop string that
+    the request resumed after a kill finds. The stop-string request then runs about as long
+    as the others, so a kill that comes late still finds it running. (Two thirds in, a kill
+    that a loaded machine delayed by 11 s came after the request had stopped, and it was not
+    resumed.)"""
+    for begin in range(9 * len(text) // 10, len(text) - 4):
+        for size in range(4, 13):
             candidate = text[begin:begin + size]
             if candidate.isascii() and candidate.isprintable() \
                     and text.find(candidate) == begin:
@@ -292,7 +310,7 @@ def reference(server: Any, requests: list[tuple[str, dict[str, Any]]]) -> list[d
     assert all(r["error"] is None for r in runs), [r["error"] for r in runs]
     assert len(runs[2]["completions"]) == 2  # n = 2
     stopped = runs[STOP]["completions"][0]
-    assert stopped["finish"] == "stop" and 1000 < len(stopped["tokens"]) < MAX_TOKENS, stopped
+    assert stopped["finish"] == "stop" and 1600 < len(stopped["tokens"]) < MAX_TOKENS, stopped
     return runs
 
 
@@ -306,9 +324,10 @@ def test_fault_free_runs_agree(server, requests, reference):
 def test_a_killed_process_leaves_every_stream_exact(server, requests, reference, name):
     runs, _ = run_all(server.base_url, f"kill-{name}", requests,
                       kill_with_all_running(server, name, len(requests)))
-    assert_exact(runs, reference)
+    assert_exact(runs, reference, server)
     # Every stream ran across the kill: the server resumed each on the new engine.
-    assert resumed(server, f"kill-{name}", len(runs)) == list(range(len(runs)))
+    assert resumed(server, f"kill-{name}", len(runs)) == list(range(len(runs))), \
+        ftkit_lines(server)
     assert server.get("/health")[0] == 200
     assert "ftkit: the new engine serves after" in server.output()
 
@@ -342,7 +361,7 @@ def test_a_warm_standby_takes_over_a_killed_engine(tiny_model, tmp_path):
         kill(server, "Worker_TP1", serving="oldest")
         wait_for_line(server, "ftkit: the new engine serves after")
         runs, _ = run_all(server.base_url, "standby")
-        assert_exact(runs, reference)
+        assert_exact(runs, reference, server)
         assert "replacing it (restart 1 of 1, from the warm standby)" in server.output()
 
 
