@@ -47,6 +47,13 @@ log = logging.getLogger("ftkit")
 
 #: How often the watch looks whether the engine, or one of its processes, died.
 WATCH_EVERY_S = 0.2
+#: The bound on the warm standby's warm-up request (its first steps: vLLM compiles some of
+#: the model's operations then, and ftkit's workers assemble their recovery).
+WARM_UP_TIMEOUT_S = 300.0
+#: The warm-up request: a few tokens of a short prompt (less than a KV block: nothing of it
+#: stays in the prefix cache), greedy, with the logprob of each token.
+WARM_UP_PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
+WARM_UP_TOKENS = 4
 
 
 @dataclass
@@ -77,6 +84,8 @@ class RestartingEngine:
         #: The replacements, in the ranks' event log when the settings name one.
         self._events = EventLog(SERVER_RANK, config.event_log_dir)
         self._engine = start(True)
+        #: The server's event loop (the standby's warm-up request runs in it).
+        self._loop = _running_loop()
         self._standby: Any = None
         self._standby_thread: threading.Thread | None = None
         if self.standby_wanted:
@@ -243,18 +252,40 @@ class RestartingEngine:
 
     def _prepare_standby(self) -> None:
         """Start the next standby engine in a thread of its own (it takes as long as any
-        engine start); ``_take_standby_or_start`` waits for it."""
+        engine start), and warm it up; ``_take_standby_or_start`` waits for it."""
 
         def start() -> None:
             try:
-                self._standby = self._start(False)
-                log.warning("ftkit: the standby engine is ready")
+                standby = self._start(False)
             except Exception as exc:  # noqa: BLE001 - a restart then starts an engine itself
                 log.error("ftkit: the standby engine did not start: %s", exc)
+                return
+            warmed = self._warm_up(standby)
+            self._standby = standby
+            log.warning("ftkit: the standby engine is ready%s",
+                        f" (warmed up in {warmed:.2f} s)" if warmed is not None else "")
 
         self._standby_thread = threading.Thread(target=start, name="ftkit-standby",
                                                 daemon=True)
         self._standby_thread.start()
+
+    def _warm_up(self, standby: Any) -> float | None:
+        """Run one short request on ``standby`` (in the server's event loop), so that the
+        first steps of an engine, which cost seconds (vLLM compiles some of the model's
+        operations at its first forward; ftkit's workers assemble their recovery at their
+        first step), come before it takes over, not after. Seconds it took, or ``None``
+        when it could not run (the standby then takes over cold, as before)."""
+        if self._loop is None:
+            return None
+        began = time.monotonic()
+        future = asyncio.run_coroutine_threadsafe(_one_request(standby), self._loop)
+        try:
+            future.result(timeout=WARM_UP_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a standby that serves cold is still one
+            future.cancel()
+            log.warning("ftkit: the standby engine's warm-up request failed: %r", exc)
+            return None
+        return time.monotonic() - began
 
     def _standby_ready(self) -> bool:
         return self._standby is not None
@@ -267,6 +298,25 @@ class RestartingEngine:
         if standby is not None:
             return standby
         return self._start(True)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def _one_request(engine: Any) -> None:
+    """``WARM_UP_TOKENS`` tokens of ``WARM_UP_PROMPT_IDS`` on ``engine``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=1)
+    prompt = TokensPrompt(prompt_token_ids=list(WARM_UP_PROMPT_IDS))
+    async for _ in engine.generate(prompt, params, "ftkit-standby-warm-up"):
+        pass
 
 
 class _Processes:

@@ -352,7 +352,8 @@ def test_a_warm_standby_takes_over_a_killed_engine(tiny_model, tmp_path):
                      fault_tolerance={"enabled": True, "max_restarts": 1, "standby": True},
                      extra_args=("--chat-template", CHAT_TEMPLATE,
                                  "--max-model-len", "2048")) as server:
-        wait_for_line(server, "ftkit: the standby engine is ready")
+        # (warmed up: its first steps, seconds of compiling, came before it took over)
+        wait_for_line(server, "ftkit: the standby engine is ready (warmed up in ")
         reference, _ = run_all(server.base_url, "ref")
         assert all(r["error"] is None for r in reference), reference
         assert len(reference[2]["completions"]) == 2  # n = 2
