@@ -43,6 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,9 +64,10 @@ from ftkit.contracts.job import EngineRestart
 from ftkit.errors import FtkitError
 from ftkit.kinds import kind_spec
 from ftkit.progress import EventSink, ProgressEvent, ignore_events
-from ftkit.results import ClientView, RequestOutput, RunOutput, ScenarioResult, StreamView
+from ftkit.results import (ClientView, FaultRecord, RecoveryRecord, RequestOutput, RunOutput,
+                           ScenarioResult, StreamView)
 from ftkit.runner.events import collect_events, events_of_run
-from ftkit.scenario.model import Scenario
+from ftkit.scenario.model import FaultSpec, Scenario
 from ftkit.serve.control import SECRET_ENV
 from ftkit.verify import compare_completion, verify
 
@@ -379,6 +381,20 @@ def server_restarts(events: list[Event], origin: float | None) -> list[EngineRes
             for e in only(events, EngineReplaced)]
 
 
+def served_fault_records(events: list[Event], planned: list[FaultSpec], *,
+                         origin: float | None, restarts: list[EngineRestart]
+                         ) -> tuple[list[FaultRecord], list[RecoveryRecord]]:
+    """``collect_events`` for a server's run. The workers know a served request only by the
+    id its client sent, not by its place in the scenario (their ``FaultFired`` says request
+    0 for every one); the route planned each fault for its request's id alone, so a fault
+    that fired, fired for the request the scenario planned it for."""
+    records, rounds = collect_events(events, planned, origin=origin, restarts=restarts)
+    for record in records:
+        if record.fired_at is not None:
+            record.fired_at = dataclasses.replace(record.fired_at, request=record.request)
+    return records, rounds
+
+
 # --- the scenario -------------------------------------------------------------------------
 
 def run_serve_scenario(scenario: Scenario, *, file: str, model_dir: str,
@@ -409,7 +425,7 @@ def run_serve_scenario(scenario: Scenario, *, file: str, model_dir: str,
         events = events_of_run(read_events(server.event_log_dir), None, since)
         origin = run.output.started_at
         run.output.restarts = server_restarts(events, origin)
-        run.output.faults, run.output.recoveries = collect_events(
+        run.output.faults, run.output.recoveries = served_fault_records(
             events, scenario.faults, origin=origin, restarts=run.output.restarts)
     except FtkitError as exc:
         detail = str(exc)

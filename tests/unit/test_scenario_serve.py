@@ -92,6 +92,21 @@ def test_the_servers_engine_replacements_are_the_runs_restarts():
     assert unrecovered.fired and not unrecovered.recovered
 
 
+def test_a_fault_fired_in_a_server_is_reported_at_the_request_it_was_planned_for():
+    """The workers say request 0 for every served request (they know only its id); the
+    record says the scenario's request, and the token and step the workers saw."""
+    fired = FaultFired(run_id=None, index=0, kind="link_flap", request=0, token=3,
+                       phase="forward", step=9, attempt=1, pid=7, rank=1, time=1000.0)
+    spec = load_scenario_text(SERVE).faults
+    assert spec[0].at.request == 1
+    [record], _ = serve.served_fault_records([fired], spec[:1], origin=1000.0, restarts=[])
+    assert (record.fired_at.request, record.fired_at.token, record.fired_at.step) == (1, 3, 9)
+    [offline], _ = collect_events([fired], spec[:1], origin=1000.0)
+    assert offline.fired_at.request == 0  # what the served record would say without it
+    [unfired], _ = serve.served_fault_records([], spec[:1], origin=1000.0, restarts=[])
+    assert unfired.fired_at is None
+
+
 def test_a_serve_scenario_needs_recovery_on():
     text = SERVE + "recovery: {enabled: false}\nexpect: {outcome: failed}\n"
     assert [(f, "injection route" in m) for _, f, m in problems(text)] == \
