@@ -87,6 +87,8 @@ class RestartingEngine:
         #: The server's event loop (the standby's warm-up request runs in it).
         self._loop = _running_loop()
         self._standby: Any = None
+        #: A standby started and still running its warm-up request.
+        self._warming: Any = None
         self._standby_thread: threading.Thread | None = None
         if self.standby_wanted:
             self._prepare_standby()
@@ -135,7 +137,8 @@ class RestartingEngine:
 
             cancel_task_threadsafe(self._watcher)
         standby, self._standby = self._standby, None
-        for engine in (self._engine, standby):
+        warming, self._warming = self._warming, None
+        for engine in (self._engine, standby, warming):
             if engine is not None:
                 engine.shutdown(timeout=timeout)
         for engine in self._retired:  # what the server still used of them (_shut_down)
@@ -260,8 +263,11 @@ class RestartingEngine:
             except Exception as exc:  # noqa: BLE001 - a restart then starts an engine itself
                 log.error("ftkit: the standby engine did not start: %s", exc)
                 return
+            self._warming = standby
             warmed = self._warm_up(standby)
-            self._standby = standby
+            if self._warming is not standby:
+                return  # the server shut it down meanwhile
+            self._standby, self._warming = standby, None
             log.warning("ftkit: the standby engine is ready%s",
                         f" (warmed up in {warmed:.2f} s)" if warmed is not None else "")
 
