@@ -8,9 +8,11 @@ Usage: ``_feature_run.py CONFIG_JSON``. CONFIG keys: model, engine_args, tensor_
 parallel 2 and more), env (environment variables set before the first engine starts), event_log_dir,
 prompts, sampling (``SamplingSpec.to_mapping()``), submit_after_steps, and runs: a list of
 ``{"name", "recovery" (bool), "faults" (``FaultSpec`` dicts), "cripple" (a name of
-``CRIPPLES`` or null; most patch this process only, so not the workers of a multi-process
-engine; those of ``EVERYWHERE`` also reach every process the engine starts), "max_restarts" (engine restarts after a process died, default 0), "workload" (optional: any of CONFIG's keys above but env, for this run)}``, run one
-after the other, each on an engine of its own (a cripple is undone after its run). Prints one
+``CRIPPLES``, a list of them switched off together, or null; most patch this process only, so
+not the workers of a multi-process engine; those of ``EVERYWHERE`` also reach every process the
+engine starts), "max_restarts" (engine restarts after a process died, default 0), "workload"
+(optional: any of CONFIG's keys above but env, for this run)}``, run one after the other, each
+on an engine of its own (its cripples are undone after its run). Prints one
 ``RESULT <json>`` line: per run name, every completion's tokens, logprobs, finish and stop
 reason and text, the run's error, its engine restarts, the lost KV recomputed (per rank) and, for a single-process engine, what its
 scheduler did (``schedule``: the requests preempted, the tokens each request found in the
@@ -159,25 +161,29 @@ runner_state.fast_forward = lambda runner, done: []
 }
 
 
-def _everywhere(name: str) -> Callable[[], None]:
+def _everywhere(*names: str) -> Callable[[], None]:
+    """Switch off the repairs ``names`` of ``EVERYWHERE`` together: their codes, one after the
+    other, make one ``sitecustomize``; the undo puts every attribute back."""
     import importlib
     import tempfile
 
-    code, targets = EVERYWHERE[name]
+    code = "".join(EVERYWHERE[name][0] for name in names)
     saved_attrs = []
-    for module, owner, attr in targets:
-        obj = importlib.import_module(module)
-        if owner is not None:
-            obj = getattr(obj, owner)
-        saved_attrs.append((obj, attr, obj.__dict__[attr]))
+    for name in names:
+        for module, owner, attr in EVERYWHERE[name][1]:
+            obj = importlib.import_module(module)
+            if owner is not None:
+                obj = getattr(obj, owner)
+            saved_attrs.append((obj, attr, obj.__dict__[attr]))
     patch_dir = tempfile.mkdtemp(prefix="ftkit-cripple-")
     Path(patch_dir, "sitecustomize.py").write_text(code)
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = patch_dir + (os.pathsep + saved if saved else "")
-    exec(compile(code, f"<cripple {name}>", "exec"), {"__name__": f"_cripple_{name}"})
+    label = "+".join(names)
+    exec(compile(code, f"<cripple {label}>", "exec"), {"__name__": f"_cripple_{label}"})
 
     def undo() -> None:
-        for obj, attr, value in saved_attrs:
+        for obj, attr, value in reversed(saved_attrs):
             setattr(obj, attr, value)
         shutil.rmtree(patch_dir, ignore_errors=True)
         if saved is None:
@@ -278,12 +284,36 @@ def run(config: dict, plan: dict) -> dict:
     spec = EngineSpec(model=config["model"], args=config.get("engine_args", {}),
                       tensor_parallel_size=config.get("tensor_parallel_size", 1))
     config.setdefault("multiprocess", None)
-    undo = CRIPPLES[plan["cripple"]]() if plan.get("cripple") else None
+    undo = _cripple(plan.get("cripple"))
     try:
         return _run(config, spec, plan)
     finally:
-        if undo is not None:
+        undo()
+
+
+def _cripple(names: str | list[str] | None) -> Callable[[], None]:
+    """Switch off the repairs ``names`` (one name of ``CRIPPLES``, a list of them, or none);
+    return the undo of them all. Those of ``EVERYWHERE`` share one ``sitecustomize``."""
+    names = [names] if isinstance(names, str) else list(names or ())
+    unknown = [name for name in names if name not in CRIPPLES]
+    if unknown or len(set(names)) < len(names):
+        raise ValueError(f"cripples unknown or repeated: {names}")
+    everywhere = [name for name in names if name in EVERYWHERE]
+    undos = [_everywhere(*everywhere)] if everywhere else []
+    try:
+        for name in names:
+            if name not in EVERYWHERE:
+                undos.append(CRIPPLES[name]())
+    except BaseException:
+        for undo in reversed(undos):
             undo()
+        raise
+
+    def undo_all() -> None:
+        for undo in reversed(undos):
+            undo()
+
+    return undo_all
 
 
 def _run(config: dict, spec: EngineSpec, plan: dict) -> dict:

@@ -1,19 +1,36 @@
-"""Every repair switched off, one at a time, at tensor parallel 1 and 2: the same fault that
-ftkit's full repair survives exactly (tokens and logprobs of a plain engine) then damages the
-tokens or logprobs, where that repair says it would.
+"""Every repair switched off at tensor parallel 1 and 2: the same fault that ftkit's full
+repair survives exactly (tokens and logprobs of a plain engine) then damages the tokens or
+logprobs, where that repair says it would.
 
 Each tensor-parallel size runs in one child process (``_feature_run.py``): a plain engine
 (no ftkit) gives the fault-free run, ftkit's engine with every fault of the module the repaired
-one, and then one engine per crippled repair, with only the fault that repair handles. Cripples
-that live in the workers are loaded as ``sitecustomize`` by every process of the engine
-(``_feature_run.EVERYWHERE``); the resume cripple lives in the front end.
+one, and then engines with crippled repairs, each with only the faults those repairs handle.
+Cripples that live in the workers are loaded as ``sitecustomize`` by every process of the
+engine (``_feature_run.EVERYWHERE``; several switched off together share one); the resume
+cripple lives in the front end.
 
 The workload: request 0 greedy, request 1 seeded (temperature 0.8), both with the logprob of
 each sampled token; every engine core in a process of its own (a process kill's target).
 At TP 1 the rollback of execute, the KV recompute and the weight reload have their crippled
 tests elsewhere (``test_recovery_tp1``, ``test_fault_catalogue``). Switching the whole sample
 rollback off shows, in this workload, as the generator restore does: the seeded request's
-stream breaks at the faulted token (the greedy request is unaffected).
+stream breaks at the faulted token.
+
+Most cripples run alone. A sample-repair cripple and an execute-repair cripple share an engine
+with both faults (``PAIRED``): the sample fault damages only the seeded request 1 (at its token
+``SAMPLE_AT``), the execute fault only the greedy request 0 (late), so each request shows one
+cripple's damage, and the pair's tests ask for both, exactly as each cripple's run alone shows
+it (request 1 at ``SAMPLE_AT``, token and logprob; request 0's logprobs after ``NEW_BLOCK``,
+then its tokens). The two repairs barely meet: the execute fault's recovery undoes only its
+step's forward pass (``rollback_execute``, with its batch reset), never a sampling, so it runs
+no code a sample cripple changed. The sample fault's recovery does run its step's
+``rollback_execute``, but that step gives no request a block nor starts one: what an execute
+cripple changes there is only that the batch is not laid out afresh. Whether that matters was
+checked by running each pair beside its cripples alone, at TP 1 and 2: the same first
+differences, token and logprob, on both requests. Not paired: the generator restore with the
+batch reset (run so at TP 2, request 0 breaks at ``NEW_BLOCK`` itself, not late), and anything
+with a kill or a fault that breaks every request (the resumed engine re-prefills request 0's
+KV, and the late damage no longer shows; a request broken early hides a later damage).
 """
 
 from __future__ import annotations
@@ -55,21 +72,43 @@ def _faults(tp: int) -> dict[str, dict]:
                      else _fault("process_kill", 1, 1, KILL_AT))}
 
 
+#: Cripples run together, their faults with them (see the module docstring): one engine
+#: each, per tensor-parallel size.
+PAIRED = {1: [("no_rollback_sample", "no_batch_reset")],
+          2: [("no_rollback_sample", "no_batch_reset"),
+              ("no_generator_restore", "no_rollback_execute")]}
+#: The crippled repairs per tensor-parallel size -> the fault each handles.
+CRIPPLED = {
+    1: {"no_rollback_sample": "sample", "no_generator_restore": "sample",
+        "no_batch_reset": "execute", "no_fast_forward": "kill"},
+    2: {"no_rollback_execute": "execute", "no_rollback_sample": "sample",
+        "no_generator_restore": "sample", "no_batch_reset": "execute",
+        "no_kv_recompute": "reset", "no_reload": "weights",
+        "resume_prompt_only": "kill", "no_fast_forward": "kill"}}
+
+
+def _groups(tp: int) -> list[tuple[str, ...]]:
+    """The cripples of each crippled run: the pairs, then every other cripple alone."""
+    paired = [c for pair in PAIRED[tp] for c in pair]
+    return PAIRED[tp] + [(c,) for c in CRIPPLED[tp] if c not in paired]
+
+
+def _run_of(tp: int, cripple: str) -> str:
+    """The name of the run ``cripple`` is switched off in."""
+    return next("+".join(group) for group in _groups(tp) if cripple in group)
+
+
 def _runs(tp: int) -> list[dict]:
     f = _faults(tp)
-    crippled = {  # cripple -> the fault its repair handles
-        1: {"no_rollback_sample": "sample", "no_generator_restore": "sample",
-            "no_batch_reset": "execute", "no_fast_forward": "kill"},
-        2: {"no_rollback_execute": "execute", "no_rollback_sample": "sample",
-            "no_generator_restore": "sample", "no_batch_reset": "execute",
-            "no_kv_recompute": "reset", "no_reload": "weights",
-            "resume_prompt_only": "kill", "no_fast_forward": "kill"}}[tp]
     runs = [{"name": "plain", "recovery": False},
             {"name": "ftkit", "recovery": True, "max_restarts": 1,
              "faults": [f[k] for k in ("sample", "execute", "reset", "weights", "kill")]}]
-    for cripple, fault in crippled.items():
-        runs.append({"name": cripple, "recovery": True, "cripple": cripple,
-                     "faults": [f[fault]], "max_restarts": 1 if fault == "kill" else 0})
+    for group in _groups(tp):
+        faults = [CRIPPLED[tp][c] for c in group]
+        assert len(set(faults)) == len(faults), f"{group}: their repairs handle one fault"
+        runs.append({"name": "+".join(group), "recovery": True, "cripple": list(group),
+                     "faults": [f[k] for k in faults],
+                     "max_restarts": 1 if "kill" in faults else 0})
     return runs
 
 
@@ -132,15 +171,20 @@ def _seeded_stream_breaks_at(result: dict, run: str, at: int, restarts: int = 0)
     assert _exact(result, run, 0)
 
 
-def _late_kv_damage(result: dict, run: str) -> None:
-    """A block id the faulted step gave request 0 is in its block table twice: its KV is
-    overwritten when it reaches a later block, so its logprobs go wrong well after the
-    faulted token (then its tokens); request 1 got no block in that step and stays exact."""
+def _sample_and_late_kv_damage(result: dict, run: str) -> None:
+    """A sample repair and an execute repair switched off together (``PAIRED``), each with its
+    fault; each request shows one cripple's damage, as that cripple's run alone does.
+
+    The sample cripple's: the seeded request 1 goes wrong from its faulted token on (token
+    and logprob). The execute cripple's: a block id the faulted step gave request 0 is in its
+    block table twice: its KV is overwritten when it reaches a later block, so its logprobs go
+    wrong well after the faulted token (then its tokens); request 1 got no block in that
+    step."""
     _ran(result, run)
+    assert _damage(result, run, 1) == (SAMPLE_AT, SAMPLE_AT)
     token, logprob = _damage(result, run, 0)
     assert logprob is not None and logprob > NEW_BLOCK
     assert token is not None and token >= logprob
-    assert _exact(result, run, 1)
 
 
 # --- tensor parallel 1 ----------------------------------------------------------------------
@@ -150,19 +194,19 @@ def test_tp1_with_every_repair_every_fault_is_exact(tp1):
 
 
 def test_tp1_without_sample_rollback_the_seeded_stream_breaks_at_the_faulted_token(tp1):
-    _seeded_stream_breaks_at(tp1, "no_rollback_sample", SAMPLE_AT)
+    _sample_and_late_kv_damage(tp1, _run_of(1, "no_rollback_sample"))
 
 
 def test_tp1_without_generator_restore_the_seeded_stream_breaks_at_the_faulted_token(tp1):
-    _seeded_stream_breaks_at(tp1, "no_generator_restore", SAMPLE_AT)
+    _seeded_stream_breaks_at(tp1, _run_of(1, "no_generator_restore"), SAMPLE_AT)
 
 
 def test_tp1_without_batch_reset_a_rolled_back_block_corrupts_later_kv(tp1):
-    _late_kv_damage(tp1, "no_batch_reset")
+    _sample_and_late_kv_damage(tp1, _run_of(1, "no_batch_reset"))
 
 
 def test_tp1_without_fast_forward_the_resumed_seeded_stream_breaks_at_the_kill(tp1):
-    _seeded_stream_breaks_at(tp1, "no_fast_forward", KILL_AT, restarts=1)
+    _seeded_stream_breaks_at(tp1, _run_of(1, "no_fast_forward"), KILL_AT, restarts=1)
 
 
 # --- tensor parallel 2 ----------------------------------------------------------------------
@@ -172,23 +216,23 @@ def test_tp2_with_every_repair_every_fault_is_exact(tp2):
 
 
 def test_tp2_without_execute_rollback_a_rolled_back_block_corrupts_later_kv(tp2):
-    _late_kv_damage(tp2, "no_rollback_execute")
+    _sample_and_late_kv_damage(tp2, _run_of(2, "no_rollback_execute"))
 
 
 def test_tp2_without_sample_rollback_the_seeded_stream_breaks_at_the_faulted_token(tp2):
-    _seeded_stream_breaks_at(tp2, "no_rollback_sample", SAMPLE_AT)
+    _sample_and_late_kv_damage(tp2, _run_of(2, "no_rollback_sample"))
 
 
 def test_tp2_without_generator_restore_the_seeded_stream_breaks_at_the_faulted_token(tp2):
-    _seeded_stream_breaks_at(tp2, "no_generator_restore", SAMPLE_AT)
+    _sample_and_late_kv_damage(tp2, _run_of(2, "no_generator_restore"))
 
 
 def test_tp2_without_batch_reset_a_rolled_back_block_corrupts_later_kv(tp2):
-    _late_kv_damage(tp2, "no_batch_reset")
+    _sample_and_late_kv_damage(tp2, _run_of(2, "no_batch_reset"))
 
 
 def test_tp2_without_fast_forward_the_resumed_seeded_stream_breaks_at_the_kill(tp2):
-    _seeded_stream_breaks_at(tp2, "no_fast_forward", KILL_AT, restarts=1)
+    _seeded_stream_breaks_at(tp2, _run_of(2, "no_fast_forward"), KILL_AT, restarts=1)
 
 
 def _broken_from_the_step_of(result: dict, run: str, at: int) -> None:
@@ -202,15 +246,15 @@ def _broken_from_the_step_of(result: dict, run: str, at: int) -> None:
 
 
 def test_tp2_without_kv_recompute_every_request_breaks_at_the_device_reset(tp2):
-    _broken_from_the_step_of(tp2, "no_kv_recompute", RESET_AT)
+    _broken_from_the_step_of(tp2, _run_of(2, "no_kv_recompute"), RESET_AT)
 
 
 def test_tp2_without_weight_reload_every_request_breaks_at_the_weights_error(tp2):
-    _broken_from_the_step_of(tp2, "no_reload", WEIGHTS_AT)
+    _broken_from_the_step_of(tp2, _run_of(2, "no_reload"), WEIGHTS_AT)
 
 
 def test_tp2_resumed_from_the_prompt_alone_the_requests_start_over_after_the_kill(tp2):
-    run = "resume_prompt_only"
+    run = _run_of(2, "resume_prompt_only")
     _ran(tp2, run, restarts=1)
     want, got = tp2["plain"]["outputs"], tp2[run]["outputs"]
     # Greedy request 0 (admitted with request 1 or a step earlier) restarts its stream: right
