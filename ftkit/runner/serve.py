@@ -30,6 +30,7 @@ failure).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -43,7 +44,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any

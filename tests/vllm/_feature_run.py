@@ -19,6 +19,7 @@ scheduler did (``schedule``: the requests preempted, the tokens each request fou
 prefix cache when it was first scheduled, and the steps that prefilled several requests).
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -298,22 +299,14 @@ def _cripple(names: str | list[str] | None) -> Callable[[], None]:
     unknown = [name for name in names if name not in CRIPPLES]
     if unknown or len(set(names)) < len(names):
         raise ValueError(f"cripples unknown or repeated: {names}")
-    everywhere = [name for name in names if name in EVERYWHERE]
-    undos = [_everywhere(*everywhere)] if everywhere else []
-    try:
+    with contextlib.ExitStack() as undos:  # on a failure, what was switched off goes back
+        everywhere = [name for name in names if name in EVERYWHERE]
+        if everywhere:
+            undos.callback(_everywhere(*everywhere))
         for name in names:
             if name not in EVERYWHERE:
-                undos.append(CRIPPLES[name]())
-    except BaseException:
-        for undo in reversed(undos):
-            undo()
-        raise
-
-    def undo_all() -> None:
-        for undo in reversed(undos):
-            undo()
-
-    return undo_all
+                undos.callback(CRIPPLES[name]())
+        return undos.pop_all().close  # undone in reverse order
 
 
 def _run(config: dict, spec: EngineSpec, plan: dict) -> dict:
