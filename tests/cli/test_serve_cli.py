@@ -25,7 +25,7 @@ RECOVERY = json.dumps({"fault_tolerance": {"enabled": True}})
 SECRET = "a-secret-of-24-characters"
 #: What every test starts from: none of the variables ftkit serve reads or sets.
 CLEAN = {name: None for name in ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE",
-                                 "VLLM_USE_V2_MODEL_RUNNER", "VLLM_CPU_ATTN_SPLIT_KV",
+                                 "VLLM_USE_V2_MODEL_RUNNER", "VLLM_CPU_ATTN_SPLIT_KV", "TORCH_COMPILE_DISABLE",
                                  "VLLM_CPU_OMP_THREADS_BIND",
                                  "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "FTKIT_INJECT_SECRET",
                                  "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -89,6 +89,7 @@ def test_dry_run_shows_the_module_command_and_the_engine_environment():
                        "--enforce-eager"]
     assert shown["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert shown["VLLM_CPU_ATTN_SPLIT_KV"] == "0"
+    assert shown["TORCH_COMPILE_DISABLE"] == "1"  # the CPU build (vLLM's compiled helpers)
     assert shown["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert shown["VLLM_CPU_OMP_THREADS_BIND"] == cpu_threads_bind(2, os.sched_getaffinity(0))
     # The default recovery bounds need 660 s for a step; vLLM gives 300 unless told.

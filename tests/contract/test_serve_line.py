@@ -90,7 +90,7 @@ OTHER_VARIABLES = {
 #: What ftkit serve sets or reads: a documented ftkit serve line starts without them, unless it
 #: sets them itself.
 FTKIT_SERVE_ENV = ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_V2_MODEL_RUNNER",
-                   "VLLM_CPU_ATTN_SPLIT_KV", "VLLM_CPU_OMP_THREADS_BIND",
+                   "VLLM_CPU_ATTN_SPLIT_KV", "TORCH_COMPILE_DISABLE", "VLLM_CPU_OMP_THREADS_BIND",
                    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", ASYNC_ERROR_HANDLING_ENV,
                    launch.HCCL_ASYNC_ERROR_HANDLING_ENV, SECRET_ENV)
 

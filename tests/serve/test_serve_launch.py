@@ -39,7 +39,7 @@ REQUEST_TIMEOUT_S = 60.0
 HEALTH_POLL_S = 0.5
 #: What ftkit serve sets itself: the test's environment must not.
 SET_BY_FTKIT_SERVE = ("VLLM_PLUGINS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
-                      "VLLM_USE_V2_MODEL_RUNNER", "VLLM_CPU_ATTN_SPLIT_KV",
+                      "VLLM_USE_V2_MODEL_RUNNER", "VLLM_CPU_ATTN_SPLIT_KV", "TORCH_COMPILE_DISABLE",
                       "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS")
 
 

@@ -48,3 +48,52 @@ def test_without_holding_them_the_in_process_engine_loses_them(plain_environment
     with engine_environment(2, True):
         pass
     assert envs.VLLM_CPU_ATTN_SPLIT_KV is True
+
+
+# --- vLLM's compiled helpers, uncompiled on the CPU build ------------------------------------
+
+@pytest.fixture
+def compile_unset(monkeypatch, plain_environment):
+    import torch._dynamo
+
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    with torch._dynamo.config.patch(disable=False):  # its own undo (monkeypatch's deletes it)
+        yield
+
+
+def test_a_cpu_engine_runs_vllms_compiled_helpers_uncompiled(compile_unset):
+    """Its spawned processes read ``TORCH_COMPILE_DISABLE`` at torch's import; an in-process
+    engine runs in this process, whose torch read it long ago: its switch is held too, while
+    the engine starts and while it lives, and put back afterwards."""
+    import torch._dynamo
+
+    from ftkit.vllm.environment import effective_engine_env, engine_env, engine_env_key
+
+    assert engine_env("cpu")["TORCH_COMPILE_DISABLE"] == "1"
+    assert "TORCH_COMPILE_DISABLE" not in engine_env("cuda")
+    assert "TORCH_COMPILE_DISABLE" not in engine_env("npu")
+    assert effective_engine_env()["TORCH_COMPILE_DISABLE"] == "1"  # this is the CPU build
+    # A fault-free run's cache key says whether its engine compiled them.
+    assert engine_env_key()["TORCH_COMPILE_DISABLE"] == "1"
+    with engine_environment(1, False):
+        assert os.environ["TORCH_COMPILE_DISABLE"] == "1"
+        assert torch._dynamo.config.disable is True
+    assert torch._dynamo.config.disable is False and "TORCH_COMPILE_DISABLE" not in os.environ
+    release = hold_engine_env()
+    try:
+        assert torch._dynamo.config.disable is True
+    finally:
+        release()
+    assert torch._dynamo.config.disable is False and "TORCH_COMPILE_DISABLE" not in os.environ
+
+
+def test_a_compile_setting_in_the_environment_wins(compile_unset, monkeypatch):
+    import torch._dynamo
+
+    from ftkit.vllm.environment import engine_env_key
+
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    assert engine_env_key()["TORCH_COMPILE_DISABLE"] == "0"
+    with engine_environment(1, False):
+        assert os.environ["TORCH_COMPILE_DISABLE"] == "0"
+        assert torch._dynamo.config.disable is False
