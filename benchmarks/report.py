@@ -367,9 +367,12 @@ SERVE_INTRO = (
     "`X-Request-Id` and token: the "
     "largest gap between two tokens any client saw, and whether every stream's token ids and "
     "logprobs equal the same server's fault-free run; then SIGKILL of the serving engine's "
-    "`Worker_TP1` while the streams run, replaced by a new engine (`cold`) and, on a server "
-    "with `standby: true`, by the warm standby: the time from the kill until every stream "
-    "the server resumed (its log) delivered the new engine's first token, and the streams "
+    "`Worker_TP1` while the streams run (once the server generated a third of the run's "
+    "tokens, by vLLM's `vllm:generation_tokens_total`), replaced by a new engine (`cold`) "
+    "and, on a server with `standby: true`, by the warm standby: the time from the kill until "
+    "every stream the server resumed had its first output from the new engine, on the server "
+    "(ftkit's `RequestResumed` events, as that output goes into the stream; the targets are "
+    "checked on this) and at the clients (the new engine's first token read), and the streams "
     "that failed. Last, the idle cost of each engine of the standby server (its engine core "
     "and workers: RSS, USS, CPU) while no request runs. The clients share the cores with the "
     "server: what a client sees includes its own delays (the fault-free row shows them).")
@@ -406,7 +409,9 @@ def _serve(result: dict[str, Any] | None) -> str:
                            f"is not sound on this run.")
     start = result.get("engine_start_s")
     for k in result.get("kills", []):
-        took = k["all_resumed_s"]
+        # On the server where measured (the clients read late on shared cores).
+        server_side = "server_all_resumed_s" in k
+        took = k["server_all_resumed_s"] if server_side else k["all_resumed_s"]
         if k["mode"] == "cold":
             target = None if start is None else start + KILL_MARGIN_TARGET_S
             what = (f"engine start + {KILL_MARGIN_TARGET_S:g} s = "
@@ -417,7 +422,12 @@ def _serve(result: dict[str, Any] | None) -> str:
         ok = took is not None and target is not None and (
             took <= target if k["mode"] == "cold" else took < target)
         by_server = k.get("resumed_by_server", k["resumed"])
-        if took is not None:
+        if took is not None and server_side:
+            shown = (f"every resumed stream had its next output from the server {took:.2f} s "
+                     f"after the kill"
+                     + (f" (its next token at the clients after {k['all_resumed_s']:.2f} s)"
+                        if k["all_resumed_s"] is not None else ""))
+        elif took is not None:
             shown = f"every resumed stream's next token {took:.2f} s after the kill"
         elif not by_server:
             shown = ("no stream was resumed (none ran in the engine across the kill: the "

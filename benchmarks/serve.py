@@ -19,11 +19,15 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
 * Then SIGKILL of the serving engine's ``Worker_TP1`` while the streams run (``cold``: the
   ``faults`` server replaces its engine with a new one), and the same on a server with
   ``{"enabled": true, "max_restarts": 1, "standby": true}`` (``standby``: the warm standby
-  takes over); the kill comes once a client got its first token. Reported: from the kill
-  until every stream the server resumed (it logs each, with the tokens delivered so far)
-  delivered the new engine's first token (tokens made before the kill but read after it do
-  not count), the streams that failed, and whether the finished streams equal the same
-  server's fault-free run. The engine start the cold target is checked against is the
+  takes over). The kill is timed on the server's progress, not on what the clients have
+  read: once the server generated a third of the run's tokens (vLLM's
+  ``vllm:generation_tokens_total`` on ``/metrics``). Reported, from the kill until every
+  stream the server resumed had its first output from the new engine: on the server (ftkit's
+  ``RequestResumed`` events, written as that output goes into the stream; the target is
+  checked on this), and at the clients (the new engine's first token read: tokens made before
+  the kill but read after it do not count; the clients share the two cores with the server
+  and read seconds late under load); the streams that failed, and whether the finished
+  streams equal the same server's fault-free run. The engine start the cold target is checked against is the
   ``faults`` server's own, from its log: from the line the server logs before it starts its
   engine to the engine core's "init engine ... took" line (on the standby server the same,
   and the standby's start, from the first engine's line to its own).
@@ -47,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,6 +63,7 @@ from benchmarks.common import REPO, SETTLE_S, prompts, settle, tiny_model
 from benchmarks.stats import fmt_summary, markdown_table, paired_ratios, summarize
 from ftkit import (CONFIG_KEY, INJECT_SECRET_ENV, Scenario, ScenarioServer, Stream,
                    inject_live_fault, load_scenario, server_options, stream_one)
+from ftkit.contracts.eventlog import RequestResumed, only, read_events
 
 SCENARIO = REPO / "scenarios" / "serve_link_flap.yaml"
 #: Long enough for the kill streams (prompt + tokens), small enough to start fast.
@@ -68,10 +74,16 @@ ENGINE_CORE = "EngineCore"
 #: A stream's token at which a planned fault fires, and the stream it is planned for.
 FAULT_TOKEN = 8
 FAULT_REQUEST = 1
-#: The kill comes once any stream has delivered this many tokens: the clients, on the same
-#: cores, can lag the server by seconds, and a later kill may find the streams finished.
-KILL_AFTER_TOKENS = 1
+#: The kill comes once the server has generated this part of the run's tokens (its own
+#: count): the clients, on the same cores, can lag the server by seconds, so what they read
+#: does not say where the server is.
+KILL_AT_FRACTION = 1 / 3
+#: vLLM's counter of generated tokens on ``/metrics`` (its API server's statistics).
+GENERATED_METRIC = "vllm:generation_tokens_total"
+METRICS_TIMEOUT_S = 5.0
 RUN_TIMEOUT_S = 300.0
+#: How often ``drive`` asks whether ``during`` is due.
+DURING_POLL_S = 0.05
 START_TIMEOUT_S = 300.0
 #: What the server logs (ftkit.vllm.restart, ftkit's injector).
 RESTART_LOG = "ftkit: this server replaces a dead engine"
@@ -171,6 +183,28 @@ def resume_delays(kill_at: float, token_times: Sequence[Sequence[float]],
         times = token_times[i]
         delays.append(times[delivered] - kill_at if delivered < len(times) else None)
     return delays
+
+
+def generated_tokens(metrics: str) -> float | None:
+    """vLLM's count of generated tokens in a ``/metrics`` answer (summed over its label sets:
+    one per engine and model), ``None`` where it has none."""
+    values = [float(line.rsplit(None, 1)[1]) for line in metrics.splitlines()
+              if line.startswith(GENERATED_METRIC) and line[len(GENERATED_METRIC)] in "{ "]
+    return sum(values) if values else None
+
+
+def server_resume_delays(kill_at: float, events: Sequence[RequestResumed], tag: str
+                         ) -> dict[int, float]:
+    """Stream index -> from the kill (``time.time()``) until the server sent its first output
+    from the new engine, from the ``RequestResumed`` events of the requests ``<tag>-<index>``
+    written after the kill."""
+    index = re.compile(re.escape(tag) + r"-(\d+)(?!\d)")
+    found: dict[int, float] = {}
+    for event in events:
+        match = index.search(event.request_id)
+        if match and event.time >= kill_at:
+            found.setdefault(int(match.group(1)), event.time - kill_at)
+    return found
 
 
 def pick_serving(candidates: Sequence[tuple[int, float]], standby: bool) -> int:
@@ -310,6 +344,18 @@ class BenchServer(ScenarioServer):
         cores.sort(key=lambda p: p.create_time())
         return [[core, *core.children(recursive=True)] for core in cores]
 
+    def generated(self) -> float | None:
+        """vLLM's count of tokens this server generated so far (``None``: not answered)."""
+        try:
+            with urllib.request.urlopen(self.url + "/metrics",
+                                        timeout=METRICS_TIMEOUT_S) as answer:
+                return generated_tokens(answer.read().decode(errors="replace"))
+        except (OSError, ValueError):
+            return None
+
+    def resumed_events(self) -> list[RequestResumed]:
+        return only(read_events(self.event_log_dir), RequestResumed)
+
     def serving_worker(self, standby: bool, name: str = KILL_TARGET) -> int:
         root = psutil.Process(self.process.pid)
         named = [(p.pid, p.create_time()) for p in root.children(recursive=True)
@@ -357,10 +403,11 @@ class Driven:
 
 
 def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_tokens: int,
-          during: Callable[[], None] | None = None, during_after: int = 0) -> Driven:
+          during: Callable[[], None] | None = None,
+          when: Callable[[], bool] = lambda: True) -> Driven:
     """Every prompt of ``texts`` streamed at once as ``<tag>-<i>`` (greedy, ``max_tokens``
-    tokens each, ``ignore_eos``); ``during()`` runs once any stream delivered
-    ``during_after`` tokens (or ended). Bounded by ``RUN_TIMEOUT_S``."""
+    tokens each, ``ignore_eos``); ``during()`` runs once ``when()`` says so (asked every
+    ``DURING_POLL_S``), or a stream ended. Bounded by ``RUN_TIMEOUT_S``."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     streams = [Stream(i) for i in range(len(texts))]
@@ -377,10 +424,9 @@ def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_token
     during_at = None
     if during is not None:
         while time.monotonic() < deadline:
-            if any(not t.is_alive() for t in threads) or any(
-                    len(s.token_times) >= during_after for s in streams):
+            if any(not t.is_alive() for t in threads) or when():
                 break
-            time.sleep(0.005)
+            time.sleep(DURING_POLL_S)
         during()
         during_at = time.monotonic() - t0[0]  # ``during`` ends with what it does (a kill)
     for thread in threads:
@@ -455,6 +501,15 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     assert server.watch is not None
     ups_before = len(server.watch.seen[ENGINE_UP_LOG])
     killed_at = [0.0]
+    # ignore_eos: every stream runs to its max_tokens.
+    base = server.generated()
+    if base is None:
+        raise RuntimeError("the server's /metrics has no " + GENERATED_METRIC)
+    due = base + KILL_AT_FRACTION * len(texts) * plan.kill_tokens
+
+    def far_enough() -> bool:
+        generated = server.generated()
+        return generated is not None and generated >= due
 
     def kill() -> None:
         pid = server.serving_worker(standby)
@@ -463,13 +518,15 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
         killed.append(pid)
 
     run = drive(server, model, "kill-run", texts, plan.kill_tokens, during=kill,
-                during_after=KILL_AFTER_TOKENS)
+                when=far_enough)
     assert run.during_at is not None
     time.sleep(0.2)  # the server's last lines
     text = server.text()
+    by_server = resumed_after(text, "kill-run")
+    on_server = server_resume_delays(killed_at[0], server.resumed_events(), "kill-run")
     running = [i for i, s in enumerate(run.streams)
                if sum(1 for t in s.token_times if t <= run.during_at) < plan.kill_tokens]
-    delays = resume_delays(run.during_at, run.times(), resumed_after(text, "kill-run"))
+    delays = resume_delays(run.during_at, run.times(), by_server)
     resumed = [d for d in delays if d is not None]
     complete = [i for i, s in enumerate(run.streams) if s.error is None
                 and len(s.token_ids) == plan.kill_tokens]
@@ -478,7 +535,8 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     found = NEW_ENGINE_LOG.findall(text)
     ups = server.watch.seen[ENGINE_UP_LOG][ups_before:]
     print(f"serve: {'standby' if standby else 'cold'} kill: {len(resumed)}/{len(delays)} "
-          f"resumed, slowest {max(resumed) if resumed else None}, "
+          f"resumed, slowest {max(resumed) if resumed else None} at the clients, "
+          f"{max(on_server.values()) if on_server else None} on the server, "
           f"{len(run.errors())} failed", flush=True)
     return {"mode": "standby" if standby else "cold", "streams": len(texts),
             "max_tokens": plan.kill_tokens, "killed_pid": killed[0] if killed else None,
@@ -489,6 +547,12 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
                               else None),
             "resumed_by_server": len(delays),
             "slowest_resumed_s": max(resumed) if resumed else None,
+            # The same on the server: every resumed stream's first output from the new
+            # engine sent (the target's measure).
+            "server_resumed": len(on_server),
+            "server_all_resumed_s": (max(on_server.values()) if on_server
+                                     and sorted(on_server) == sorted(by_server) else None),
+            "server_resumed_s": {str(i): d for i, d in sorted(on_server.items())},
             "failed_streams": len(run.errors()) + int(run.timed_out),
             "errors": run.errors()[:3], "complete": len(complete), "differ": differ,
             "reference_errors": len(reference.errors()),
@@ -630,6 +694,7 @@ def kill_table(result: dict[str, Any]) -> str:
     for k in result["kills"]:
         rows.append([k["mode"], k["running_at_kill"],
                      f"{k['resumed']}/{k.get('resumed_by_server', k['resumed'])}",
+                     _s(k.get("server_all_resumed_s")),
                      _s(k["slowest_resumed_s"]), _s(k.get("new_engine_up_s")),
                      _s(k["server_restart_s"]),
                      k["failed_streams"],
@@ -644,7 +709,8 @@ def kill_table(result: dict[str, Any]) -> str:
                                           result["server_start_s"].items()) + ".\n\n"
             + markdown_table(["replacement", "running at the kill (client)",
                               "resumed streams with a new token / resumed by the server",
-                              "kill to every resumed stream's next token s",
+                              "kill to every resumed stream's next output, server s",
+                              "kill to every resumed stream's next token, clients s",
                               "kill to new engine up s", "server's replacement s", "failed streams",
                               "complete and identical"], rows))
 

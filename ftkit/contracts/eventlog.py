@@ -15,6 +15,8 @@ The events, one class each::
     ParamsReloaded   parameters hit by a memory error were reloaded
     EngineReplaced   a server's engine died and was replaced (written by the API server,
                      as rank -1: ``ftkit.vllm.restart``)
+    RequestResumed   a request the server resumed on the new engine got its first output
+                     from it (the API server too)
 
 Each line is ``{"event": NAME, "v": VERSION, "rank": ..., "time": ..., <fields>}``. A reader
 skips a line cut short by a killed process; a line of another version is an error.
@@ -162,12 +164,27 @@ class EngineReplaced(Event):
     standby: bool
 
 
+@dataclass(frozen=True, kw_only=True)
+class RequestResumed(Event):
+    """A request resumed on a server's new engine (after ``EngineReplaced``) got its first
+    output from that engine: its client's stream goes on. ``time``: when that output went to
+    the client's stream."""
+
+    NAME: ClassVar[str] = "request_resumed"
+    #: The request's id in the server (vLLM's, from the client's ``X-Request-Id``).
+    request_id: str
+    #: Tokens its client had before the engine died.
+    delivered: int
+    #: From the death being acted on (the replacement's start) until that output.
+    after_death_s: float
+
+
 #: The rank an API server's events carry: it is no rank of the engine.
 SERVER_RANK = -1
 
 _BY_NAME: dict[str, type[Event]] = {
     cls.NAME: cls for cls in (FaultFired, StepRecovered, RecoveryRound, KvRecomputed,
-                              ParamsReloaded, EngineReplaced)
+                              ParamsReloaded, EngineReplaced, RequestResumed)
 }
 
 E = TypeVar("E", bound=Event)

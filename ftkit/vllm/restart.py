@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.config import RecoveryConfig
-from ftkit.contracts.eventlog import SERVER_RANK, EngineReplaced, EventLog
+from ftkit.contracts.eventlog import SERVER_RANK, EngineReplaced, EventLog, RequestResumed
 from ftkit.contracts.requests import served_resume_id
 
 log = logging.getLogger("ftkit")
@@ -102,6 +102,8 @@ class RestartingEngine:
         self._watched: tuple[Any, _Processes] | None = None
         #: Seconds each replacement took, from the death seen to the new engine ready.
         self.restart_seconds: list[float] = []
+        #: When the last replacement began (``time.monotonic()``): the death being acted on.
+        self._death_at = 0.0
 
     # --- the engine of the moment -----------------------------------------------------------
 
@@ -157,10 +159,14 @@ class RestartingEngine:
 
         self._watch()
         state = _Request(prompt, sampling_params, request_id)
+        resumed: tuple[int, float] | None = None  # (tokens delivered, death) once resumed
         while True:
             engine = self._engine
             try:
                 async for out in state.run(engine, kwargs):
+                    if resumed is not None:
+                        self._resumed(request_id, *resumed)
+                        resumed = None
                     yield out
                 return
             except Exception as exc:  # noqa: BLE001 - a dead engine fails requests in several ways
@@ -172,8 +178,17 @@ class RestartingEngine:
                 if not await self._replaced(engine):
                     raise
                 self.resumed_requests += 1
+                resumed = (state.delivered(), self._death_at)
                 log.warning("ftkit: resuming request %s on the new engine after %s token(s)",
                             request_id, state.delivered())
+
+    def _resumed(self, request_id: str, delivered: int, death_at: float) -> None:
+        """A resumed request's first output from the new engine is going to its client."""
+        after = time.monotonic() - death_at
+        log.info("ftkit: request %s goes on: its first output from the new engine %.2f s "
+                 "after the engine's death", request_id, after)
+        self._events.emit(RequestResumed(request_id=request_id, delivered=delivered,
+                                         after_death_s=after))
 
     def _watch(self) -> None:
         """Start (once, in the server's event loop) the watch that replaces an engine that
@@ -224,7 +239,7 @@ class RestartingEngine:
         if self._watched is not None and self._watched[0] is dead:
             self._watched[1].end_workers()
         self.restarts += 1
-        began = time.monotonic()
+        began = self._death_at = time.monotonic()
         log.warning("ftkit: the engine died (%s); replacing it (restart %d of %d, %s)",
                     _death_of(dead), self.restarts, self.max_restarts,
                     "from the warm standby" if self._standby_ready() else "a new engine")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,6 +196,18 @@ def resumed(server: Any, tag: str, count: int) -> list[int]:
     return [i for i in range(count) if any(f"-{tag}-{i}" in line for line in lines)]
 
 
+def went_on(server: Any, tag: str, count: int) -> dict[int, float]:
+    """Request of run ``tag`` -> seconds from its engine's death to its first output from the
+    new engine, as the server logs it for each resumed request."""
+    found: dict[int, float] = {}
+    for line in server.output().splitlines():
+        match = re.search(r"ftkit: request \S*-" + re.escape(tag) + r"-(\d+)\S* goes on: its "
+                          r"first output from the new engine ([0-9.]+) s", line)
+        if match:
+            found[int(match.group(1))] = float(match.group(2))
+    return found
+
+
 ENGINE_CORE = "EngineCore"
 
 
@@ -327,6 +340,10 @@ def test_a_killed_process_leaves_every_stream_exact(server, requests, reference,
     assert_exact(runs, reference, server)
     # Every stream ran across the kill: the server resumed each on the new engine.
     assert resumed(server, f"kill-{name}", len(runs)) == list(range(len(runs))), \
+        ftkit_lines(server)
+    # ... and says when each got its first output from the new engine.
+    after = went_on(server, f"kill-{name}", len(runs))
+    assert sorted(after) == list(range(len(runs))) and all(s > 0 for s in after.values()), \
         ftkit_lines(server)
     assert server.get("/health")[0] == 200
     assert "ftkit: the new engine serves after" in server.output()

@@ -51,6 +51,29 @@ def test_resume_delays_count_the_new_engines_first_token_only():
     assert serve.resume_delays(5.0, times, {}) == []
 
 
+def test_generated_tokens_sum_vllms_counter_over_its_label_sets():
+    metrics = ("# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+               "# TYPE vllm:generation_tokens_total counter\n"
+               'vllm:generation_tokens_total{engine="0",model_name="m"} 120.0\n'
+               'vllm:generation_tokens_total{engine="1",model_name="m"} 30.0\n'
+               'vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e+09\n'
+               "vllm:generation_tokens_total_other 5.0\n")
+    assert serve.generated_tokens(metrics) == 150.0
+    assert serve.generated_tokens("vllm:prompt_tokens_total 3.0\n") is None
+
+
+def test_server_resume_delays_count_each_streams_first_event_after_the_kill():
+    from ftkit.contracts.eventlog import RequestResumed
+
+    def event(request_id: str, at: float) -> RequestResumed:
+        return RequestResumed(request_id=request_id, delivered=5, after_death_s=0.1, time=at)
+
+    events = [event("cmpl-kill-run-0-0", 99.0),  # an earlier kill's
+              event("cmpl-kill-run-0-0", 101.5), event("cmpl-kill-run-0-0", 103.0),
+              event("cmpl-kill-run-12-0", 102.0), event("cmpl-other-3", 101.0)]
+    assert serve.server_resume_delays(100.0, events, "kill-run") == {0: 1.5, 12: 2.0}
+
+
 def test_the_serving_engines_process_is_the_oldest_only_beside_a_standby():
     candidates = [(11, 100.0), (12, 105.0)]
     assert serve.pick_serving(candidates, standby=True) == 11
@@ -79,9 +102,18 @@ def test_engine_starts_are_laid_out_from_the_log_lines():
     assert serve.engine_start_s({"faults": []}) is None
 
 
-def _result(cold: float | None, standby: float | None, failed: int = 0) -> dict:
+def _result(cold: float | None, standby: float | None, failed: int = 0,
+            clients_late_s: float | None = None) -> dict:
+    """A serve result; ``clients_late_s``: a result measured on the server too (its resumes
+    as given, the clients' that much later)."""
     def kill(mode: str, slowest: float | None) -> dict:
-        return {"mode": mode, "streams": 4, "max_tokens": 100, "killed_pid": 1,
+        on_server = {} if clients_late_s is None else {
+            "server_resumed": 4 if slowest is not None else 0,
+            "server_all_resumed_s": slowest,
+            "server_resumed_s": {"0": slowest} if slowest is not None else {}}
+        if clients_late_s is not None and slowest is not None:
+            slowest += clients_late_s
+        return {**on_server, "mode": mode, "streams": 4, "max_tokens": 100, "killed_pid": 1,
                 "kill_at_s": 1.0, "running_at_kill": 4,
                 "resumed": 4 if slowest is not None else 0,
                 "resumed_by_server": 4 if slowest is not None else 0,
@@ -128,6 +160,17 @@ def test_the_serve_section_checks_its_targets():
     assert "cold replacement: no stream was resumed" in none
     # cold, standby, and the failed streams of each
     assert missed.count("not met") == 4
+
+
+def test_the_kill_targets_are_checked_on_the_server_where_it_was_measured():
+    text = report.render({"serve": _result(cold=25.5, standby=0.4, clients_late_s=9.0)})
+    assert ("standby replacement: every resumed stream had its next output from the server "
+            "0.40 s after the kill (its next token at the clients after 9.40 s)") in text
+    assert "not met" not in text
+    late = report.render({"serve": _result(cold=25.5, standby=1.5, clients_late_s=0.1)})
+    assert late.count("not met") == 1
+    # Both columns in the table.
+    assert "| 0.40 | 9.40 |" in text
 
 
 def test_the_serve_section_is_on_the_page_before_any_result():
