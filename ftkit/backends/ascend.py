@@ -42,7 +42,12 @@ What the code relies on, as read in torch_npu's source (github.com/Ascend/pytorc
   every HCCL group torch knows, so it must run on a thread bound to this rank's device
   (the monitor thread runs rounds too: ftkit binds it first); with ``True`` it aborts the
   HCCL communicator of ``group`` (the default group when ``None``), which is built again at
-  its next use. ftkit calls it for the default group and for each device group it took over.
+  its next use. ftkit calls it for the default group, for each device group it took over, and
+  for every other HCCL group torch knows on this rank: ``stop_device`` suspended them all, and
+  a group ftkit does not take over (vllm-ascend's own, such as the MC2 group whose
+  communicator the fused MoE dispatch and combine name) would otherwise stay suspended.
+  A rebuilt communicator is a new one: a consumer that holds its name
+  (``get_hccl_comm_name``, as vllm-ascend's MC2 token dispatcher does) must read it again.
 * ``torch_npu.npu.set_op_timeout_ms(timeout)`` (milliseconds; its documentation names no
   default, and CANN's own is far longer than vLLM's bound on a step): ftkit always sets one,
   ``fault_tolerance.op_timeout_s`` or ``ftkit.bounds.DEFAULT_OP_TIMEOUT_S`` (120 s); and
@@ -369,10 +374,22 @@ class AscendBackend(EmulatedFaultModel):
         self.faults.repaired_links()
 
     def _device_groups(self) -> list[Any]:
-        """The distinct device groups taken over, other than the default group."""
+        """The distinct groups whose HCCL links a link fault's round rebuilds, other than the
+        default group: the device groups taken over, then every other HCCL group torch knows
+        on this rank (all ranks of a group hold it, so each group is rebuilt by all of them)."""
         import torch.distributed as dist
 
-        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        if not dist.is_initialized():
+            return self._taken_over_device_groups(None)
+        world = dist.distributed_c10d._world
+        default = world.default_pg
+        found = {id(g): g for g in self._taken_over_device_groups(default)}
+        for pg, (backend, _store) in list(world.pg_map.items()):
+            if pg is not default and "hccl" in str(backend):
+                found.setdefault(id(pg), pg)
+        return list(found.values())
+
+    def _taken_over_device_groups(self, default: Any) -> list[Any]:
         found: dict[int, Any] = {}
         for g in self._groups:
             cpu_group, device_group = g.current_groups()

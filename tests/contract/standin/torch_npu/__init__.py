@@ -23,7 +23,12 @@ device whose HCCL is real gloo (``_standin``):
   a test injected (``_standin.inject_uce``) as ``[{"ptr": ..., "size": ...}]``;
 * ``set_op_timeout_ms(ms)`` is recorded; ``get_rng_state`` / ``set_rng_state`` act on a
   generator of the simulated device; ``set_device`` / ``current_device`` are per thread, as
-  on the real device.
+  on the real device;
+* an ``hccl`` group answers ``_get_backend(device).get_hccl_comm_name(rankid, init_comm=True)``
+  with its communicator's name, and takes ``all_to_all_single`` and
+  ``all_gather_into_tensor`` (vllm-ascend's all-to-all MoE dispatch); the fused
+  ``npu_moe_distribute_dispatch_v2`` / ``npu_moe_distribute_combine_v2`` find their EP
+  communicator by that name (``_moe``; a name from before a link rebuild no longer resolves).
 
 ``FTKIT_STANDIN_MISSING`` (comma-separated names) leaves APIs out, as an older release would:
 names of ``torch_npu.npu`` functions, ``_get_uce_addr``, or ``reinit_process_group``.
@@ -33,7 +38,12 @@ Every call is recorded in ``torch_npu._standin.DEVICE.calls``.
 __version__ = "2.14.0+ftkit.standin"
 
 from torch_npu import _standin, npu  # noqa: E402
+from torch_npu._moe import (  # noqa: E402
+    npu_moe_distribute_combine_v2,
+    npu_moe_distribute_dispatch_v2,
+)
 
 _standin.install()
 
-__all__ = ["npu", "__version__"]
+__all__ = ["npu", "npu_moe_distribute_combine_v2", "npu_moe_distribute_dispatch_v2",
+           "__version__"]

@@ -9,6 +9,15 @@ real device does. A suspended communicator (after a stop) refuses work until
 gloo channel at its next collective (all ranks take part in the same round, so the channels
 meet), the way HCCL drops an aborted operation when it resumes.
 
+Each group's HCCL communicator has a name (``get_hccl_comm_name``), the handle the fused MoE
+operators (``_moe``) take as ``group_ep``. A resumed communicator keeps its name; one whose
+links were rebuilt is a new communicator, built at its next use under a new name, and the old
+name no longer resolves. Whether a real release names the rebuilt communicator anew (HCCL's
+generated name) or reuses the group's name (``hcclCommName`` where CANN supports it) is not
+documented: the stand-in takes the case in which a name read before the rebuild fails, the
+case vllm-ascend guards against by reading the name again after it recreates its HCCL groups
+(``TokenDispatcherWithMC2.refresh_hccl_group``).
+
 Test controls (not torch_npu API): ``inject_device_error``, ``inject_uce``, ``launch``,
 ``snapshot``, ``reset``.
 """
@@ -167,6 +176,12 @@ class HcclGroup(dist.ProcessGroup):
         self.resumed = 0
         self.links_rebuilt = 0
         self._inner: Any = None
+        #: The same on every rank: all ranks create their groups in the same order.
+        self.index = len(DEVICE.groups)
+        #: The communicator's generation: a new one after each link rebuild or abort.
+        self.generation = 0
+        #: Whether this generation's communicator was built (at its first use).
+        self.comm_built = False
         DEVICE.groups.append(weakref.ref(self))
         return self
 
@@ -175,7 +190,27 @@ class HcclGroup(dist.ProcessGroup):
             self.channels += 1
             self._inner = ProcessGroupGloo(PrefixStore(f"channel/{self.channels}", self._store),
                                            self._rank, self._size, self.timeout)
+            self.comm_built = True
         return self._inner
+
+    def comm_name(self) -> str:
+        return f"hccl_group{self.index}_comm{self.generation}"
+
+    def _get_backend(self, device: Any) -> HcclGroup:
+        """``ProcessGroup._get_backend(torch.device("npu"))``: the group is its own backend
+        here (a CPU torch has no ``npu`` device type, so ``device`` is not checked)."""
+        return self
+
+    def get_hccl_comm_name(self, rankid: int, init_comm: bool = True) -> str:
+        """The name of the group's current HCCL communicator. ``init_comm``: build it first
+        when it is not built (collective: every rank of the group builds it), else answer
+        ``""``."""
+        record("get_hccl_comm_name", rankid, init_comm=init_comm)
+        if not self.comm_built:
+            if not init_comm:
+                return ""
+            self._channel()
+        return self.comm_name()
 
     def _run(self, op: str, *args: Any) -> _Work:
         DEVICE.launch(f"hccl {op}")
@@ -197,6 +232,14 @@ class HcclGroup(dist.ProcessGroup):
     def _allgather_base(self, *args: Any) -> _Work:
         return self._run("_allgather_base", *args)
 
+    def all_gather_single(self, output: Any, input: Any, opts: Any) -> _Work:  # noqa: A002
+        """What ``torch.distributed.all_gather_into_tensor`` calls."""
+        return self._run("_allgather_base", output, input, opts)
+
+    def alltoall_base(self, *args: Any) -> _Work:
+        """What ``torch.distributed.all_to_all_single`` calls."""
+        return self._run("alltoall_base", *args)
+
     def broadcast(self, *args: Any) -> _Work:
         return self._run("broadcast", *args)
 
@@ -210,14 +253,21 @@ class HcclGroup(dist.ProcessGroup):
         self.state = "ok"
 
     def rebuild_link(self) -> None:
-        """``abort_hccl_comm("reinit")``: built again, links and all, at its next use."""
+        """``abort_hccl_comm("reinit")``: built again, links and all, at its next use, as a
+        new communicator."""
         self.links_rebuilt += 1
         self._drop_channel()
+        self._new_generation()
         self.state = "ok"
 
     def abort(self) -> None:
         self._drop_channel()
+        self._new_generation()
         self.state = "aborted"
+
+    def _new_generation(self) -> None:
+        self.generation += 1
+        self.comm_built = False
 
     def _drop_channel(self) -> None:
         inner, self._inner = self._inner, None
@@ -233,6 +283,17 @@ class HcclGroup(dist.ProcessGroup):
 
 def create_hccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> HcclGroup:
     return HcclGroup(rank, size).setup(store, rank, size, timeout)
+
+
+def communicator_named(name: str) -> HcclGroup:
+    """The group whose live HCCL communicator is called ``name``, as a fused operator finds
+    the communicator its ``group_ep`` names."""
+    for group in DEVICE.live_groups():
+        if group.comm_built and group.comm_name() == name:
+            return group
+    device = DEVICE.id if DEVICE.id is not None else DEVICE.current()
+    raise RuntimeError(f"HCCL communicator {name!r} not found on device {device}: never "
+                       "built, or rebuilt under another name" + _error_suffix(device))
 
 
 def reinit_process_group(group: Any = None, rebuild_link: bool = True) -> Any:
@@ -305,6 +366,7 @@ def snapshot() -> dict[str, Any]:
         "tensors_unsafe": DEVICE.tensors_unsafe,
         "op_timeout_ms": DEVICE.op_timeout_ms,
         "groups": [{"state": g.state, "channels": g.channels, "resumed": g.resumed,
-                    "links_rebuilt": g.links_rebuilt, "device": g.device}
+                    "links_rebuilt": g.links_rebuilt, "device": g.device, "index": g.index,
+                    "comm_name": g.comm_name() if g.comm_built else None}
                    for g in DEVICE.live_groups()],
     }
