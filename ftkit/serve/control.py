@@ -41,6 +41,7 @@ from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.contracts.plan import FaultPlan, PlannedFault
 from ftkit.errors import FtkitError
 from ftkit.scenario.model import FaultSpec
+from ftkit.serve.state import served_world_size
 
 log = logging.getLogger("ftkit")
 
@@ -161,7 +162,7 @@ class Control:
                     f"{'unset' if secret is None else 'too short'}: set it in the server's "
                     f"environment to a secret of at least {MIN_SECRET_CHARS} characters")
         parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
-        return cls(engine_client, config, secret, int(getattr(parallel, "world_size", 1)))
+        return cls(engine_client, config, secret, served_world_size(parallel))
 
     @property
     def enabled(self) -> bool:

@@ -63,6 +63,7 @@ from ftkit.serve.state import (
     RankRecord,
     ServerStateDir,
     read_ranks,
+    served_world_size,
     without_stale_marks,
 )
 
@@ -290,5 +291,5 @@ async def init_state(engine_client: Any, state: Any, args: Any) -> None:
     collector.directory = directory.directory if directory is not None else None
     collector.engine = engine_client
     parallel = getattr(vllm_config, "parallel_config", None)
-    state.ftkit_health = ServerHealth(engine_client, int(getattr(parallel, "world_size", 1)),
+    state.ftkit_health = ServerHealth(engine_client, served_world_size(parallel),
                                       directory)

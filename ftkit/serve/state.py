@@ -50,6 +50,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -70,6 +71,22 @@ OWNER_FILE = "owner.json"
 
 #: The outcomes of a round (a decision's action): re-run the step, or surface the fault.
 OUTCOMES = ("recompute", "raise")
+
+
+def served_rank(parallel: Any, rank: int) -> int:
+    """Rank ``rank`` of an engine, numbered across a server's data-parallel replicas:
+    ``parallel`` is the engine's ``ParallelConfig``. vLLM runs each replica of a dense model
+    as an engine of its own, its ranks numbered from 0, and keeps the replica's index as
+    ``data_parallel_index``; rank ``r`` of replica ``i`` is ``i * world_size + r``."""
+    index = int(getattr(parallel, "data_parallel_index", 0) or 0)
+    return index * int(getattr(parallel, "world_size", 1) or 1) + rank
+
+
+def served_world_size(parallel: Any) -> int:
+    """How many ranks a server has across its data-parallel replicas (``served_rank``):
+    ``parallel`` is the API server's ``ParallelConfig``, which keeps the replica count."""
+    return (int(getattr(parallel, "world_size", 1) or 1)
+            * int(getattr(parallel, "data_parallel_size", 1) or 1))
 
 
 def state_dir(instance_id: str, root: str | Path | None = None) -> Path:

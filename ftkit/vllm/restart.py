@@ -651,10 +651,19 @@ def install() -> None:
         if config is None or not config.enabled or not config.max_restarts:
             return original(cls, vllm_config, *args, **kwargs)
 
+        # Each engine after the first starts from a copy of the configuration as it was
+        # before any start: vLLM writes into it while it starts an engine (with data
+        # parallelism, the devices of the last replica it started), and a second engine
+        # started from the written one fails ("--device-ids provides 1 devices").
+        pristine = copy.deepcopy(vllm_config)
+        first = [True]
+
         def start(primary: bool) -> Any:
+            config = vllm_config if first[0] else copy.deepcopy(pristine)
+            first[0] = False
             if primary:
-                return original(cls, vllm_config, *args, **kwargs)
-            return original(cls, vllm_config, *args, **{**kwargs, "disable_log_stats": True})
+                return original(cls, config, *args, **kwargs)
+            return original(cls, config, *args, **{**kwargs, "disable_log_stats": True})
 
         log.warning("ftkit: this server replaces a dead engine up to %d time(s)%s",
                     config.max_restarts, ", with a warm standby" if config.standby else "")

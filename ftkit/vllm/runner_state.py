@@ -123,10 +123,12 @@ def config_problems(runner: Any) -> list[str]:
                         "activations by send/recv, which ftkit can neither stop nor roll "
                         "back with the step")
     if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
-        problems.append("data parallelism is on (set data_parallel_size=1; vllm serve without "
-                        "--data-parallel-size): coupled replicas of an MoE model need an "
-                        "all_gatherv that vLLM-CPU's communicator lacks, and ftkit's rounds "
-                        "span one replica")
+        # (vLLM runs each replica of a dense model as an engine of its own, of data-parallel
+        # size 1, which ftkit recovers like any engine: only coupled replicas get here.)
+        problems.append("data parallelism of an MoE model is on (set data_parallel_size=1; "
+                        "vllm serve without --data-parallel-size): its coupled replicas need "
+                        "an all_gatherv that vLLM-CPU's communicator lacks, and ftkit's "
+                        "rounds span one replica")
     if getattr(parallel, "enable_expert_parallel", False) is True:
         problems.append("expert parallelism is on (set enable_expert_parallel=False; vllm "
                         "serve without --enable-expert-parallel): vLLM-CPU's fused MoE kernel "

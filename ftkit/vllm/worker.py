@@ -37,7 +37,7 @@ from ftkit.recovery import (
     assess_damage,
     side_channels,
 )
-from ftkit.serve.state import RankPublisher
+from ftkit.serve.state import RankPublisher, served_rank
 from ftkit.vllm.kv_recompute import RecomputeReport
 from ftkit.vllm.memory import RunnerMemory
 from ftkit.vllm.plugin import STEP_METHODS, bind_step_method
@@ -61,15 +61,23 @@ class FtkitWorker:
         self.worker = worker
         self.vllm_config = vllm_config
         self.config = config
+        #: This rank in its engine (its recovery rounds span this engine's ranks).
         self.rank = int(getattr(worker, "rank", 0))
+        #: This rank among every rank of a server: a server with data parallelism runs one
+        #: engine per replica, each of ``world`` ranks numbered from 0 (vLLM's independent
+        #: replicas of a dense model); its ranks are numbered across replicas, rank ``r`` of
+        #: replica ``i`` being ``i * world + r``, where faults are planned for and counted.
+        self.served_rank = served_rank(getattr(vllm_config, "parallel_config", None), self.rank)
         #: Publishes this rank's counts for a server's health view and metrics
         #: (``ftkit.serve.state``): only on events, only where the API server made the state
         #: directory of this instance (an offline engine has none).
         instance_id = str(getattr(vllm_config, "instance_id", "") or "")
-        self.publisher = (RankPublisher.for_instance(instance_id, self.rank)
+        self.publisher = (RankPublisher.for_instance(instance_id, self.served_rank)
                           if config.enabled and instance_id else None)
-        self.events = (EventLog(self.rank, config.event_log_dir) if self.publisher is None
-                       else _PublishingEventLog(self.rank, config.event_log_dir, self.publisher))
+        self.events = (EventLog(self.served_rank, config.event_log_dir)
+                       if self.publisher is None else
+                       _PublishingEventLog(self.served_rank, config.event_log_dir,
+                                           self.publisher))
         self.recovery: Recovery | None = None
         #: The wrapper of this worker's step RPCs, built at the first step.
         self.step_wrapper: StepWrapper | None = None
@@ -130,7 +138,7 @@ class FtkitWorker:
         refused fault never reaches vLLM as a failed call. ``check_only``: only whether this
         rank could inject them (the route asks every rank before any rank keeps them)."""
         if not self.config.injection:
-            return {"rank": self.rank, "error": "injection is not enabled in this engine's "
+            return {"rank": self.served_rank, "error": "injection is not enabled in this engine's "
                                                 "fault_tolerance settings"}
         try:
             plan = FaultPlan.from_json(plan_json)
@@ -138,14 +146,14 @@ class FtkitWorker:
             assert self.injector is not None and self.step_wrapper is not None
             self.injector.add_live(plan, check_only=check_only)
             if check_only:
-                return {"rank": self.rank, "error": None}
+                return {"rank": self.served_rank, "error": None}
             self._register_injection_hooks()
             self.step_wrapper.hooks_changed()
         except FtkitError as exc:
-            return {"rank": self.rank, "error": str(exc)}
-        log.warning("ftkit: rank %d planned %d live fault(s) from ftkit inject", self.rank,
+            return {"rank": self.served_rank, "error": str(exc)}
+        log.warning("ftkit: rank %d planned %d live fault(s) from ftkit inject", self.served_rank,
                     len(plan.faults))
-        return {"rank": self.rank, "error": None}
+        return {"rank": self.served_rank, "error": None}
 
     def settle(self) -> None:
         """Return once this rank is quiet: every step RPC it was sent has returned (the call
@@ -196,7 +204,7 @@ class FtkitWorker:
 
             self.backend.take_over(vllm_groups())
         self.injector = Injector(
-            self.rank, self.events, token_indices=state.output_token_indices,
+            self.served_rank, self.events, token_indices=state.output_token_indices,
             device=self.backend if hasattr(self.backend, "force_stop") else None,
             memory=memory, kill_target=self._kill_target if _own_engine_process() else None)
 

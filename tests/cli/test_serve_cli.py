@@ -228,8 +228,6 @@ def test_the_threads_binding_is_the_one_ftkits_engines_get():
     (["--async-scheduling"], "--async-scheduling"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
     (["-pp", "2"], "--pipeline-parallel-size 2"),
-    (["--data-parallel-size=2"], "--data-parallel-size 2"),
-    (["-dp", "4"], "--data-parallel-size 4"),
     (["--enable-expert-parallel"], "--enable-expert-parallel"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
      "--speculative-config"),
@@ -244,6 +242,42 @@ def test_what_recovery_cannot_roll_back_is_refused(options, named):
     # With recovery off, ftkit has nothing to refuse.
     off = json.dumps({"fault_tolerance": {"enabled": False}})
     assert serve("--dry-run", "MODEL", *options, "--additional-config", off).exit_code == 0
+
+
+def moe_model(tmp_path: Path, key: str = "num_local_experts") -> str:
+    """A model folder whose configuration names experts (only its config.json is read)."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"],
+                                                    key: 4}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("options", [["--data-parallel-size=2"], ["-dp", "4"]])
+@pytest.mark.parametrize("key", ["num_local_experts", "num_experts", "n_routed_experts"])
+def test_data_parallelism_of_an_moe_model_is_refused(tmp_path, options, key):
+    """Its replicas are coupled (every step together); a dense model's are not."""
+    model = moe_model(tmp_path, key)
+    message = refused(model, *options, "--additional-config", RECOVERY)
+    size = options[-1].split("=")[-1]
+    assert message.startswith(f"--data-parallel-size {size}: ftkit's recovery does not "
+                              f"support data parallelism of an MoE model")
+
+
+def test_a_dense_model_is_served_with_data_parallelism_each_rank_on_a_core(tmp_path):
+    """Independent replicas, one engine each: every rank of every replica gets a core of its
+    own (vLLM gives replica i the i-th tp entries of the binding)."""
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                   "num_experts": None}))
+    for model in (str(dense), "org/some-hub-model"):  # (a hub model is checked at its start)
+        shown, command, _ = dry_run(model, "-dp", "2", "--additional-config", RECOVERY)
+        assert "-dp" in command
+        assert shown["VLLM_CPU_OMP_THREADS_BIND"] == cpu_threads_bind(
+            2, os.sched_getaffinity(0))
+    shown, _, _ = dry_run(str(dense), "-dp", "2", "-tp", "2", "--additional-config", RECOVERY)
+    assert shown["VLLM_CPU_OMP_THREADS_BIND"] == cpu_threads_bind(4, os.sched_getaffinity(0))
 
 
 def test_every_refusal_is_listed_at_once():

@@ -243,11 +243,21 @@ def runner(*, v2: bool, async_scheduling: bool, device: Any, compilation_config:
 def cpu_runner(engine: AsyncEngineArgs) -> Any:
     engine.model = engine.tokenizer = str(resolve_model("tiny"))
     config = engine.create_engine_config()
+    if replica_dp_size(engine) == 1:
+        # As each engine core of a dense model's replica does (vllm.v1.engine.core).
+        config.parallel_config.reconfigure_for_independent_dp_rank()
     return runner(v2=config.use_v2_model_runner,
                   async_scheduling=bool(config.scheduler_config.async_scheduling),
                   device=torch.device("cpu"), compilation_config=config.compilation_config,
                   parallel_config=config.parallel_config,
                   speculative_config=config.speculative_config)
+
+
+def replica_dp_size(engine: AsyncEngineArgs) -> int:
+    """The data-parallel size each engine of the line sees: vLLM runs each replica of a dense
+    model as an engine of its own, of size 1 (``reconfigure_for_independent_dp_rank``); an
+    MoE model's coupled replicas keep the line's."""
+    return engine.data_parallel_size if launch.is_moe_model(engine.model) else 1
 
 
 def accelerator_runner(engine: AsyncEngineArgs, platform: str) -> Any:
@@ -270,7 +280,7 @@ def accelerator_runner(engine: AsyncEngineArgs, platform: str) -> Any:
         parallel_config=SimpleNamespace(
             tensor_parallel_size=engine.tensor_parallel_size,
             pipeline_parallel_size=engine.pipeline_parallel_size,
-            data_parallel_size=engine.data_parallel_size,
+            data_parallel_size=replica_dp_size(engine),
             enable_expert_parallel=engine.enable_expert_parallel),
         speculative_config=engine.speculative_config)
 

@@ -51,7 +51,8 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def stream(base_url: str, key: str, api: str, fields: dict[str, Any]) -> dict[str, Any]:
+def stream(base_url: str, key: str, api: str, fields: dict[str, Any],
+           max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """One streamed request: per completion its token ids, logprobs and finish reason, the
     time each token arrived, or the error that ended the stream."""
     model = served_model(base_url)
@@ -61,12 +62,12 @@ def stream(base_url: str, key: str, api: str, fields: dict[str, Any]) -> dict[st
     try:
         if api == "chat":
             chunks = client.chat.completions.create(
-                model=model, max_tokens=MAX_TOKENS, logprobs=True, stream=True,
+                model=model, max_tokens=max_tokens, logprobs=True, stream=True,
                 extra_headers={"X-Request-Id": key},
                 extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True}, **fields)
         else:
             chunks = client.completions.create(
-                model=model, max_tokens=MAX_TOKENS, logprobs=1, stream=True,
+                model=model, max_tokens=max_tokens, logprobs=1, stream=True,
                 extra_headers={"X-Request-Id": key},
                 extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True}, **fields)
         for chunk in chunks:
@@ -92,12 +93,13 @@ def stream(base_url: str, key: str, api: str, fields: dict[str, Any]) -> dict[st
 
 
 def run_all(base_url: str, tag: str, requests: list[tuple[str, dict[str, Any]]] = REQUESTS,
-            during: Any = None) -> tuple[list[dict[str, Any]], float]:
+            during: Any = None, max_tokens: int = MAX_TOKENS
+            ) -> tuple[list[dict[str, Any]], float]:
     """Every request of ``requests`` streamed at once; ``during(tag)`` is called while they
     start. Returns the streams and when ``during`` returned."""
     out: dict[int, dict[str, Any]] = {}
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(
-        i, stream(base_url, f"{tag}-{i}", *requests[i])), daemon=True)
+        i, stream(base_url, f"{tag}-{i}", *requests[i], max_tokens)), daemon=True)
         for i in range(len(requests))]
     for thread in threads:
         thread.start()

@@ -466,3 +466,19 @@ def test_json_of_the_record_is_what_the_server_reads():
     record = RankRecord(rank=2, faults={"hang": 1})
     raw = json.loads(record.to_json())
     assert raw["v"] == 1 and raw["rank"] == 2 and raw["faults"] == {"hang": 1}
+
+
+def test_ranks_are_numbered_across_data_parallel_replicas():
+    """vLLM runs each replica of a dense model as an engine of its own, its ranks from 0, and
+    keeps the replica's index; a server's ranks are numbered across its replicas."""
+    from types import SimpleNamespace
+
+    from ftkit.serve.state import served_rank, served_world_size
+
+    replica = SimpleNamespace(world_size=2, data_parallel_index=1, data_parallel_size=1)
+    assert [served_rank(replica, r) for r in (0, 1)] == [2, 3]
+    assert served_rank(SimpleNamespace(world_size=2), 1) == 1  # no replicas: as it was
+    assert served_rank(None, 0) == 0
+    # The API server's configuration keeps the replica count.
+    assert served_world_size(SimpleNamespace(world_size=2, data_parallel_size=2)) == 4
+    assert served_world_size(SimpleNamespace(world_size=1)) == 1
