@@ -302,17 +302,7 @@ def run(tmp_path: Path, *faults: dict[str, Any], **scenario: Any) -> tuple[dict[
     scenario = {"backend": "ascend", "steps": STEPS, "faults": list(faults), **scenario}
     procs = [ctx.Process(target=ep_rank_main, args=(r, WORLD, port, scenario, str(outdir)),
                          name=f"ftkit-test-rank{r}", daemon=True) for r in range(WORLD)]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    h.run_processes(procs, time.monotonic() + RUN_TIMEOUT_S)
     records = []
     for r, p in enumerate(procs):
         path = outdir / f"rank{r}.json"

@@ -78,6 +78,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_processes(procs: list[Any], deadline: float) -> None:
+    """Start ``procs`` and wait for each until ``deadline`` (``time.monotonic()``); those still
+    alive then (or on any failure) are killed and reaped."""
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
 def run_world(world: int, scenario: dict[str, Any], outdir: Path,
               timeout_s: float = 40.0) -> tuple[list[dict[str, Any] | None], list[int | None],
                                                 float]:
@@ -94,17 +109,7 @@ def run_world(world: int, scenario: dict[str, Any], outdir: Path,
     procs = [ctx.Process(target=rank_main, args=(r, world, port, scenario, str(outdir)),
                          name=f"ftkit-test-rank{r}", daemon=True) for r in range(world)]
     started = time.monotonic()
-    try:
-        for p in procs:
-            p.start()
-        deadline = started + timeout_s
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    run_processes(procs, started + timeout_s)
     wall = time.monotonic() - started
     results: list[dict[str, Any] | None] = []
     for r in range(world):
