@@ -19,12 +19,12 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
 * Then SIGKILL of the serving engine's ``Worker_TP1`` while the streams run (``cold``: the
   ``faults`` server replaces its engine with a new one), and the same on a server with
   ``{"enabled": true, "max_restarts": 1, "standby": true}`` (``standby``: the warm standby
-  takes over). The kill is timed on the server's progress, not on what the clients have
-  read: once the server generated a third of the run's tokens (vLLM's
-  ``vllm:generation_tokens_total`` on ``/metrics``). Reported, from the kill until every
-  stream the server resumed had its first output from the new engine: on the server (ftkit's
-  ``RequestResumed`` events, written as that output goes into the stream; the target is
-  checked on this), and at the clients (the new engine's first token read: tokens made before
+  takes over); the kill comes once a client got its first token. (vLLM's count of generated
+  tokens on ``/metrics`` was tried as the server's progress instead: it moved in batches and
+  reached a run's tokens only after the clients had them all.) Reported, from the kill until
+  every stream the server resumed had its first output from the new engine: on the server
+  (ftkit's ``RequestResumed`` events, written as that output goes into the stream; the target
+  is checked on this), and at the clients (the new engine's first token read: tokens made before
   the kill but read after it do not count; the clients share the two cores with the server
   and read seconds late under load); the streams that failed, and whether the finished
   streams equal the same server's fault-free run. The engine start the cold target is checked against is the
@@ -51,7 +51,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,16 +73,10 @@ ENGINE_CORE = "EngineCore"
 #: A stream's token at which a planned fault fires, and the stream it is planned for.
 FAULT_TOKEN = 8
 FAULT_REQUEST = 1
-#: The kill comes once the server has generated this part of the run's tokens (its own
-#: count): the clients, on the same cores, can lag the server by seconds, so what they read
-#: does not say where the server is.
-KILL_AT_FRACTION = 1 / 3
-#: vLLM's counter of generated tokens on ``/metrics`` (its API server's statistics).
-GENERATED_METRIC = "vllm:generation_tokens_total"
-METRICS_TIMEOUT_S = 5.0
+#: The kill comes once any stream has delivered this many tokens: the clients, on the same
+#: cores, can lag the server by seconds, and a later kill may find the streams finished.
+KILL_AFTER_TOKENS = 1
 RUN_TIMEOUT_S = 300.0
-#: How often ``drive`` asks whether ``during`` is due.
-DURING_POLL_S = 0.05
 START_TIMEOUT_S = 300.0
 #: What the server logs (ftkit.vllm.restart, ftkit's injector).
 RESTART_LOG = "ftkit: this server replaces a dead engine"
@@ -183,14 +176,6 @@ def resume_delays(kill_at: float, token_times: Sequence[Sequence[float]],
         times = token_times[i]
         delays.append(times[delivered] - kill_at if delivered < len(times) else None)
     return delays
-
-
-def generated_tokens(metrics: str) -> float | None:
-    """vLLM's count of generated tokens in a ``/metrics`` answer (summed over its label sets:
-    one per engine and model), ``None`` where it has none."""
-    values = [float(line.rsplit(None, 1)[1]) for line in metrics.splitlines()
-              if line.startswith(GENERATED_METRIC) and line[len(GENERATED_METRIC)] in "{ "]
-    return sum(values) if values else None
 
 
 def server_resume_delays(kill_at: float, events: Sequence[RequestResumed], tag: str
@@ -344,15 +329,6 @@ class BenchServer(ScenarioServer):
         cores.sort(key=lambda p: p.create_time())
         return [[core, *core.children(recursive=True)] for core in cores]
 
-    def generated(self) -> float | None:
-        """vLLM's count of tokens this server generated so far (``None``: not answered)."""
-        try:
-            with urllib.request.urlopen(self.url + "/metrics",
-                                        timeout=METRICS_TIMEOUT_S) as answer:
-                return generated_tokens(answer.read().decode(errors="replace"))
-        except (OSError, ValueError):
-            return None
-
     def resumed_events(self) -> list[RequestResumed]:
         return only(read_events(self.event_log_dir), RequestResumed)
 
@@ -403,11 +379,10 @@ class Driven:
 
 
 def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_tokens: int,
-          during: Callable[[], None] | None = None,
-          when: Callable[[], bool] = lambda: True) -> Driven:
+          during: Callable[[], None] | None = None, during_after: int = 0) -> Driven:
     """Every prompt of ``texts`` streamed at once as ``<tag>-<i>`` (greedy, ``max_tokens``
-    tokens each, ``ignore_eos``); ``during()`` runs once ``when()`` says so (asked every
-    ``DURING_POLL_S``), or a stream ended. Bounded by ``RUN_TIMEOUT_S``."""
+    tokens each, ``ignore_eos``); ``during()`` runs once any stream delivered
+    ``during_after`` tokens (or ended). Bounded by ``RUN_TIMEOUT_S``."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     streams = [Stream(i) for i in range(len(texts))]
@@ -424,9 +399,10 @@ def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_token
     during_at = None
     if during is not None:
         while time.monotonic() < deadline:
-            if any(not t.is_alive() for t in threads) or when():
+            if any(not t.is_alive() for t in threads) or any(
+                    len(s.token_times) >= during_after for s in streams):
                 break
-            time.sleep(DURING_POLL_S)
+            time.sleep(0.005)
         during()
         during_at = time.monotonic() - t0[0]  # ``during`` ends with what it does (a kill)
     for thread in threads:
@@ -501,15 +477,6 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     assert server.watch is not None
     ups_before = len(server.watch.seen[ENGINE_UP_LOG])
     killed_at = [0.0]
-    # ignore_eos: every stream runs to its max_tokens.
-    base = server.generated()
-    if base is None:
-        raise RuntimeError("the server's /metrics has no " + GENERATED_METRIC)
-    due = base + KILL_AT_FRACTION * len(texts) * plan.kill_tokens
-
-    def far_enough() -> bool:
-        generated = server.generated()
-        return generated is not None and generated >= due
 
     def kill() -> None:
         pid = server.serving_worker(standby)
@@ -518,7 +485,7 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
         killed.append(pid)
 
     run = drive(server, model, "kill-run", texts, plan.kill_tokens, during=kill,
-                when=far_enough)
+                during_after=KILL_AFTER_TOKENS)
     assert run.during_at is not None
     time.sleep(0.2)  # the server's last lines
     text = server.text()

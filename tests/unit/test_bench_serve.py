@@ -51,17 +51,6 @@ def test_resume_delays_count_the_new_engines_first_token_only():
     assert serve.resume_delays(5.0, times, {}) == []
 
 
-def test_generated_tokens_sum_vllms_counter_over_its_label_sets():
-    metrics = ("# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
-               "# TYPE vllm:generation_tokens_total counter\n"
-               'vllm:generation_tokens_total{engine="0",model_name="m"} 120.0\n'
-               'vllm:generation_tokens_total{engine="1",model_name="m"} 30.0\n'
-               'vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e+09\n'
-               "vllm:generation_tokens_total_other 5.0\n")
-    assert serve.generated_tokens(metrics) == 150.0
-    assert serve.generated_tokens("vllm:prompt_tokens_total 3.0\n") is None
-
-
 def test_server_resume_delays_count_each_streams_first_event_after_the_kill():
     from ftkit.contracts.eventlog import RequestResumed
 
