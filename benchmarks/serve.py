@@ -18,16 +18,19 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
   server's fault-free run.
 * Then SIGKILL of the serving engine's ``Worker_TP1`` while the streams run (``cold``: the
   ``faults`` server replaces its engine with a new one), and the same on a server with
-  ``{"enabled": true, "max_restarts": 1, "standby": true}`` (``standby``: the warm standby
-  takes over); the kill comes once a client got its first token. (vLLM's count of generated
-  tokens on ``/metrics`` was tried as the server's progress instead: it moved in batches and
-  reached a run's tokens only after the clients had them all.) Reported, from the kill until
-  every stream the server resumed had its first output from the new engine: on the server
-  (ftkit's ``RequestResumed`` events, written as that output goes into the stream; the target
-  is checked on this), and at the clients (the new engine's first token read: tokens made before
-  the kill but read after it do not count; the clients share the two cores with the server
-  and read seconds late under load); the streams that failed, and whether the finished
-  streams equal the same server's fault-free run. The engine start the cold target is checked against is the
+  ``{"enabled": true, "injection": true, "max_restarts": 1, "standby": true}`` (``standby``:
+  the warm standby takes over). The kill is timed on the server's own progress: a
+  ``process_kill`` planned through the injection route for rank 1 at a quarter of one
+  stream's tokens (the worker SIGKILLs itself there; its ``FaultFired`` event gives the
+  kill's time). A kill timed on what the clients had read came after the streams had finished
+  at the engine (the clients share the two cores and read seconds late), and vLLM's
+  ``vllm:generation_tokens_total`` moves in batches, reaching a run's tokens only after the
+  clients had them all. Reported, from the kill until every stream the server resumed had its
+  first output from the new engine: on the server (ftkit's ``RequestResumed`` events, written
+  as that output goes into the stream; the targets are checked on this), and at the clients
+  (the new engine's first token read: tokens made before the kill but read after it do not
+  count); the streams that failed, and whether the finished streams equal the same
+  server's fault-free run. The engine start the cold target is checked against is the
   ``faults`` server's own, from its log: from the line the server logs before it starts its
   engine to the engine core's "init engine ... took" line (on the standby server the same,
   and the standby's start, from the first engine's line to its own).
@@ -60,9 +63,9 @@ import psutil
 
 from benchmarks.common import REPO, SETTLE_S, prompts, settle, tiny_model
 from benchmarks.stats import fmt_summary, markdown_table, paired_ratios, summarize
-from ftkit import (CONFIG_KEY, INJECT_SECRET_ENV, Scenario, ScenarioServer, Stream,
-                   inject_live_fault, load_scenario, server_options, stream_one)
-from ftkit.contracts.eventlog import RequestResumed, only, read_events
+from ftkit import (CONFIG_KEY, INJECT_SECRET_ENV, FaultFired, RequestResumed, Scenario,
+                   ScenarioServer, Stream, inject_live_fault, load_scenario, only, read_events,
+                   server_options, stream_one)
 
 SCENARIO = REPO / "scenarios" / "serve_link_flap.yaml"
 #: Long enough for the kill streams (prompt + tokens), small enough to start fast.
@@ -73,9 +76,14 @@ ENGINE_CORE = "EngineCore"
 #: A stream's token at which a planned fault fires, and the stream it is planned for.
 FAULT_TOKEN = 8
 FAULT_REQUEST = 1
-#: The kill comes once any stream has delivered this many tokens: the clients, on the same
-#: cores, can lag the server by seconds, and a later kill may find the streams finished.
-KILL_AFTER_TOKENS = 1
+#: The kill: the serving engine's rank 1 (its ``Worker_TP1``) kills itself with SIGKILL
+#: (a ``process_kill`` planned through the injection route) in the step of this part of
+#: stream ``KILL_REQUEST``'s tokens: timed on the server's own progress, while every stream
+#: runs there (the clients, on the same cores, read seconds late, and a kill timed on what
+#: they read found the streams finished at the engine).
+KILL_RANK = 1
+KILL_REQUEST = 0
+KILL_AT = 0.25
 RUN_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0
 #: What the server logs (ftkit.vllm.restart, ftkit's injector).
@@ -190,16 +198,6 @@ def server_resume_delays(kill_at: float, events: Sequence[RequestResumed], tag: 
         if match and event.time >= kill_at:
             found.setdefault(int(match.group(1)), event.time - kill_at)
     return found
-
-
-def pick_serving(candidates: Sequence[tuple[int, float]], standby: bool) -> int:
-    """The pid of the serving engine's process among ``(pid, create_time)`` of one name: with
-    a standby (started after the serving engine) the oldest, else the newest (a replaced
-    engine's are gone)."""
-    if not candidates:
-        raise ValueError("no process to pick")
-    pick = min if standby else max
-    return pick(candidates, key=lambda c: c[1])[0]
 
 
 def engine_starts(begun: float | None, ups: Sequence[float]) -> list[float]:
@@ -332,12 +330,6 @@ class BenchServer(ScenarioServer):
     def resumed_events(self) -> list[RequestResumed]:
         return only(read_events(self.event_log_dir), RequestResumed)
 
-    def serving_worker(self, standby: bool, name: str = KILL_TARGET) -> int:
-        root = psutil.Process(self.process.pid)
-        named = [(p.pid, p.create_time()) for p in root.children(recursive=True)
-                 if _named(p, name)]
-        return pick_serving(named, standby)
-
 
 def _named(proc: psutil.Process, name: str) -> bool:
     try:
@@ -367,6 +359,9 @@ class Driven:
     timed_out: bool
     #: When ``during`` ran, seconds after the streams' release.
     during_at: float | None = None
+    #: When the streams were released, on the wall clock (``time.time()``: the server's
+    #: events carry it).
+    released_wall: float = 0.0
 
     def times(self) -> list[list[float]]:
         return [s.token_times for s in self.streams]
@@ -395,6 +390,7 @@ def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_token
     for thread in threads:
         thread.start()
     t0[0] = time.monotonic()
+    released_wall = time.time()
     start.set()
     during_at = None
     if during is not None:
@@ -407,7 +403,7 @@ def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_token
         during_at = time.monotonic() - t0[0]  # ``during`` ends with what it does (a kill)
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    return Driven(streams, any(t.is_alive() for t in threads), during_at)
+    return Driven(streams, any(t.is_alive() for t in threads), during_at, released_wall)
 
 
 # --- 1. tokens per second, recovery on and off ------------------------------------------------
@@ -473,27 +469,29 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     texts = prompts(plan.kill_streams, seed=13)
     reference = drive(server, model, "kill-ref", texts, plan.kill_tokens)
     settle()
-    killed: list[int] = []
     assert server.watch is not None
     ups_before = len(server.watch.seen[ENGINE_UP_LOG])
-    killed_at = [0.0]
-
-    def kill() -> None:
-        pid = server.serving_worker(standby)
-        killed_at[0] = time.time()
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
-    run = drive(server, model, "kill-run", texts, plan.kill_tokens, during=kill,
-                during_after=KILL_AFTER_TOKENS)
-    assert run.during_at is not None
+    # The kill, planned on the server's own progress: the serving engine's Worker_TP1 kills
+    # itself (SIGKILL) in the step of stream KILL_REQUEST's token KILL_AT.
+    inject_live_fault(server.url, {
+        "kind": "process_kill", "rank": KILL_RANK, "phase": "forward", "times": 1,
+        "params": {}, "request_id": f"kill-run-{KILL_REQUEST}",
+        "token": int(plan.kill_tokens * KILL_AT)}, server.secret)
+    run = drive(server, model, "kill-run", texts, plan.kill_tokens)
     time.sleep(0.2)  # the server's last lines
     text = server.text()
+    fired = [e for e in only(read_events(server.event_log_dir), FaultFired)
+             if e.kind == "process_kill" and e.time >= run.released_wall]
+    killed_at = fired[0].time if fired else None
+    # On the clients' clock: seconds after the streams' release.
+    kill_at = None if killed_at is None else killed_at - run.released_wall
     by_server = resumed_after(text, "kill-run")
-    on_server = server_resume_delays(killed_at[0], server.resumed_events(), "kill-run")
-    running = [i for i, s in enumerate(run.streams)
-               if sum(1 for t in s.token_times if t <= run.during_at) < plan.kill_tokens]
-    delays = resume_delays(run.during_at, run.times(), by_server)
+    on_server = ({} if killed_at is None else
+                 server_resume_delays(killed_at, server.resumed_events(), "kill-run"))
+    running = [] if kill_at is None else [
+        i for i, s in enumerate(run.streams)
+        if sum(1 for t in s.token_times if t <= kill_at) < plan.kill_tokens]
+    delays = [] if kill_at is None else resume_delays(kill_at, run.times(), by_server)
     resumed = [d for d in delays if d is not None]
     complete = [i for i, s in enumerate(run.streams) if s.error is None
                 and len(s.token_ids) == plan.kill_tokens]
@@ -501,13 +499,15 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
               != (reference.streams[i].token_ids, reference.streams[i].logprobs)]
     found = NEW_ENGINE_LOG.findall(text)
     ups = server.watch.seen[ENGINE_UP_LOG][ups_before:]
-    print(f"serve: {'standby' if standby else 'cold'} kill: {len(resumed)}/{len(delays)} "
+    print(f"serve: {'standby' if standby else 'cold'} kill: "
+          f"{'fired' if fired else 'NOT fired'}, {len(resumed)}/{len(delays)} "
           f"resumed, slowest {max(resumed) if resumed else None} at the clients, "
           f"{max(on_server.values()) if on_server else None} on the server, "
           f"{len(run.errors())} failed", flush=True)
     return {"mode": "standby" if standby else "cold", "streams": len(texts),
-            "max_tokens": plan.kill_tokens, "killed_pid": killed[0] if killed else None,
-            "kill_at_s": run.during_at, "running_at_kill": len(running),
+            "max_tokens": plan.kill_tokens, "killed_pid": fired[0].pid if fired else None,
+            "kill_token": int(plan.kill_tokens * KILL_AT), "kill_at_s": kill_at,
+            "running_at_kill": len(running),
             "resumed": len(resumed),
             # Every stream the server resumed delivered the new engine's first token.
             "all_resumed_s": (max(resumed) if resumed and len(resumed) == len(delays)
@@ -525,7 +525,8 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
             "reference_errors": len(reference.errors()),
             "server_restart_s": float(found[-1]) if found else None,
             # A cold replacement's engine core up (in the log), after the kill.
-            "new_engine_up_s": ups[0] - killed_at[0] if ups and not standby else None}
+            "new_engine_up_s": (ups[0] - killed_at if ups and killed_at is not None
+                                and not standby else None)}
 
 
 # --- 4. the standby's idle cost ---------------------------------------------------------------
@@ -583,7 +584,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     off = {"enabled": False}
     on = {"enabled": True}
     faults = {"enabled": True, "injection": True, "max_restarts": 1}
-    standby = {"enabled": True, "max_restarts": 1, "standby": True}
+    standby = {"enabled": True, "injection": True, "max_restarts": 1, "standby": True}
     result: dict[str, Any] = {"plan": asdict(plan), "tp": scenario.engine.tensor_parallel_size,
                               "settings": {"off": off, "on": on, "faults": faults,
                                            "standby": standby}}

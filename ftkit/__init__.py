@@ -69,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "Event": "ftkit.contracts.eventlog", "FaultFired": "ftkit.contracts.eventlog",
     "StepRecovered": "ftkit.contracts.eventlog", "RecoveryRound": "ftkit.contracts.eventlog",
     "KvRecomputed": "ftkit.contracts.eventlog", "ParamsReloaded": "ftkit.contracts.eventlog",
+    "EngineReplaced": "ftkit.contracts.eventlog", "RequestResumed": "ftkit.contracts.eventlog",
     # a running server (ftkit inject)
     "inject_live_fault": "ftkit.serve.client", "InjectRefused": "ftkit.serve.client",
     "INJECT_SECRET_ENV": "ftkit.serve.client",
@@ -98,8 +99,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
     from ftkit.config import CONFIG_KEY, RecoveryConfig
-    from ftkit.contracts.eventlog import (Event, FaultFired, KvRecomputed, ParamsReloaded,
-                                          RecoveryRound, StepRecovered, only, read_events)
+    from ftkit.contracts.eventlog import (EngineReplaced, Event, FaultFired, KvRecomputed,
+                                          ParamsReloaded, RecoveryRound, RequestResumed,
+                                          StepRecovered, only, read_events)
     from ftkit.contracts.job import SamplingSpec
     from ftkit.contracts.plan import FaultPlan
     from ftkit.doctor import REAL, Diagnosis, diagnose

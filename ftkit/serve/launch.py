@@ -407,7 +407,8 @@ def plan_serve(model: str, options: Sequence[str], environ: Mapping[str, str], *
     replicas = settings.size("--data-parallel-size")
     notes += _engine_env(env, recovery, tp, platform, cores, collective, ranks=tp * replicas)
     argv = (python, "-m", SERVER_MODULE, "--model", model, *options)
-    shown = (*ENGINE_ENV, *CPU_ENGINE_ENV, THREADS_BIND_ENV, VLLM_EXECUTE_TIMEOUT_ENV, *collective, PLUGINS_ENV)
+    shown = (*ENGINE_ENV, *CPU_ENGINE_ENV, THREADS_BIND_ENV, VLLM_EXECUTE_TIMEOUT_ENV,
+             *collective, PLUGINS_ENV)
     return ServeLaunch(argv, env, recovery, tuple(notes), shown)
 
 

@@ -138,8 +138,8 @@ class FtkitWorker:
         refused fault never reaches vLLM as a failed call. ``check_only``: only whether this
         rank could inject them (the route asks every rank before any rank keeps them)."""
         if not self.config.injection:
-            return {"rank": self.served_rank, "error": "injection is not enabled in this engine's "
-                                                "fault_tolerance settings"}
+            return {"rank": self.served_rank,
+                    "error": "injection is not enabled in this engine's fault_tolerance settings"}
         try:
             plan = FaultPlan.from_json(plan_json)
             self._ready()
@@ -151,8 +151,8 @@ class FtkitWorker:
             self.step_wrapper.hooks_changed()
         except FtkitError as exc:
             return {"rank": self.served_rank, "error": str(exc)}
-        log.warning("ftkit: rank %d planned %d live fault(s) from ftkit inject", self.served_rank,
-                    len(plan.faults))
+        log.warning("ftkit: rank %d planned %d live fault(s) from ftkit inject",
+                    self.served_rank, len(plan.faults))
         return {"rank": self.served_rank, "error": None}
 
     def settle(self) -> None:

@@ -52,7 +52,7 @@ def test_resume_delays_count_the_new_engines_first_token_only():
 
 
 def test_server_resume_delays_count_each_streams_first_event_after_the_kill():
-    from ftkit.contracts.eventlog import RequestResumed
+    from ftkit import RequestResumed
 
     def event(request_id: str, at: float) -> RequestResumed:
         return RequestResumed(request_id=request_id, delivered=5, after_death_s=0.1, time=at)
@@ -61,14 +61,6 @@ def test_server_resume_delays_count_each_streams_first_event_after_the_kill():
               event("cmpl-kill-run-0-0", 101.5), event("cmpl-kill-run-0-0", 103.0),
               event("cmpl-kill-run-12-0", 102.0), event("cmpl-other-3", 101.0)]
     assert serve.server_resume_delays(100.0, events, "kill-run") == {0: 1.5, 12: 2.0}
-
-
-def test_the_serving_engines_process_is_the_oldest_only_beside_a_standby():
-    candidates = [(11, 100.0), (12, 105.0)]
-    assert serve.pick_serving(candidates, standby=True) == 11
-    assert serve.pick_serving(candidates, standby=False) == 12
-    with pytest.raises(ValueError):
-        serve.pick_serving([], standby=False)
 
 
 def test_cpu_percent_and_spread():
