@@ -95,7 +95,7 @@ def engine_env_key() -> dict[str, str]:
     """Every variable ftkit may set for an engine (on any platform), with the value an engine
     started now would see: part of a fault-free run's cache key, without asking vLLM for the
     platform (which imports torch)."""
-    return {k: os.environ.get(k, v) for k, v in {**ENGINE_ENV, **CPU_ENGINE_ENV}.items()}
+    return _as_started_now({**ENGINE_ENV, **CPU_ENGINE_ENV})
 
 
 def effective_engine_env(device_type: str | None = None) -> dict[str, str]:
@@ -106,7 +106,12 @@ def effective_engine_env(device_type: str | None = None) -> dict[str, str]:
         from ftkit.vllm.platform import current_device_type
 
         device_type = current_device_type()
-    return {k: os.environ.get(k, v) for k, v in engine_env(device_type).items()}
+    return _as_started_now(engine_env(device_type))
+
+
+def _as_started_now(defaults: Mapping[str, str]) -> dict[str, str]:
+    """``defaults``' variables with the environment's own values where set."""
+    return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
 
 def engine_args(spec: EngineSpec, recovery: RecoveryConfig | None) -> dict[str, Any]:

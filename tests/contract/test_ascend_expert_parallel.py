@@ -433,11 +433,7 @@ def test_crippled_a_round_that_resumes_the_tp_group_alone_leaves_the_ep_group_su
     r0, r1 = run(tmp_path, fault(1, TP_ALL_REDUCE, "oom"), cripple="resume_tp_only")
     # Rank 0, stopped in the round, re-runs through the TP all-reduce and fails at the
     # first EP collective; rank 1 waits in it for rank 0 until the next round stops it.
-    error = rerun_error(r0)
-    assert (error["step"], error["index"]) == (3, EP_COUNTS)
-    assert "suspended by stop_device" in error["error"]
-    error = rerun_error(r1)
-    assert (error["step"], error["index"], error["stop"]) == (3, EP_COUNTS, True)
+    rerun_meets_a_suspended_group(r0, r1, EP_COUNTS)
     for res in (r0, r1):
         assert res["error"] is not None
         assert len(res["outputs"]) == 2
@@ -474,6 +470,16 @@ def test_a_link_break_rebuilds_the_links_of_the_ep_and_mc2_groups_and_the_step_r
 # sent nothing on the EP and MC2 groups that rank 1 (not stopped) has not received, which the
 # stand-in's gloo would take for a mismatched collective when rank 1 reuses that group.
 
+def rerun_meets_a_suspended_group(r0: dict, r1: dict, index: int) -> None:
+    """The re-run of step 3 fails at operation ``index`` on a group ``stop_device`` left
+    suspended (rank 0); rank 1 is stopped there by the round that failure starts."""
+    error = rerun_error(r0)
+    assert (error["step"], error["index"]) == (3, index)
+    assert "suspended by stop_device" in error["error"]
+    error = rerun_error(r1)
+    assert (error["step"], error["index"], error["stop"]) == (3, index, True)
+
+
 def test_crippled_a_link_round_that_skips_the_ep_group_leaves_it_suspended(tmp_path):
     r0, r1 = run(tmp_path, fault(1, TP_ALL_REDUCE, "link"), refresh_mc2_name=True,
                  cripple="no_ep_links")
@@ -492,11 +498,7 @@ def test_crippled_rebuilding_only_the_groups_ftkit_took_over_leaves_mc2_suspende
                  cripple="taken_over_groups_only")
     # TP and EP were rebuilt and pass; the fused dispatch meets the MC2 communicator that
     # stop_device suspended and nothing resumed or rebuilt.
-    error = rerun_error(r0)
-    assert (error["step"], error["index"]) == (3, MC2_DISPATCH)
-    assert "suspended by stop_device" in error["error"]
-    error = rerun_error(r1)
-    assert (error["step"], error["index"], error["stop"]) == (3, MC2_DISPATCH, True)
+    rerun_meets_a_suspended_group(r0, r1, MC2_DISPATCH)
     for res in (r0, r1):
         assert [g["links_rebuilt"] for g in res["device"]["groups"]] == [1, 1, 0]
         assert res["error"] is not None
