@@ -29,16 +29,19 @@ starts again from its prompt: greedy and seeded sampling give the same tokens ag
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit import procs
 from ftkit.config import RecoveryConfig
 from ftkit.contracts.eventlog import SERVER_RANK, EngineReplaced, EventLog, RequestResumed
 from ftkit.contracts.requests import served_resume_id
@@ -83,7 +86,9 @@ class RestartingEngine:
         self.standby_wanted = config.standby
         #: The replacements, in the ranks' event log when the settings name one.
         self._events = EventLog(SERVER_RANK, config.event_log_dir)
-        self._engine = start(True)
+        #: The processes of every engine started and not yet ended (``_processes_of``).
+        self._processes: list[tuple[Any, _Processes]] = []
+        self._engine = self._started(True)
         #: The server's event loop (the standby's warm-up request runs in it).
         self._loop = _running_loop()
         self._standby: Any = None
@@ -98,8 +103,6 @@ class RestartingEngine:
         #: Dead engines replaced, whose renderer the server's handlers may still use.
         self._retired: list[Any] = []
         self._watcher: asyncio.Future[None] | None = None
-        #: The engine the watch looks at, and its processes as found when it began to.
-        self._watched: tuple[Any, _Processes] | None = None
         #: Seconds each replacement took, from the death seen to the new engine ready.
         self.restart_seconds: list[float] = []
         #: When the last replacement began (``time.monotonic()``): the death being acted on.
@@ -143,6 +146,11 @@ class RestartingEngine:
         for engine in (self._engine, standby, warming):
             if engine is not None:
                 engine.shutdown(timeout=timeout)
+        # An engine that shut down removed its segments itself; one that died when no
+        # restart was left (or while the server ended) could not.
+        for _, processes in self._processes:
+            procs.remove_files(processes.shared_memory)
+        self._processes = []
         for engine in self._retired:  # what the server still used of them (_shut_down)
             renderer = getattr(engine, "renderer", None)
             if renderer is not None:
@@ -150,6 +158,34 @@ class RestartingEngine:
 
     def _can_restart(self) -> bool:
         return self.restarts < self.max_restarts
+
+    def _started(self, primary: bool) -> Any:
+        """A new engine (``start``), its processes and what they share noted at once: a
+        process killed before the watch first looked would otherwise leave its segments."""
+        engine = self._start(primary)
+        processes = _Processes.of(engine)
+        self._processes.append((engine, processes))
+        remove_at_exit(processes.shared_memory)
+        return engine
+
+    def _processes_of(self, engine: Any) -> _Processes:
+        for known, processes in self._processes:
+            if known is engine:
+                return processes
+        return _Processes([])
+
+    def _end_dead(self, dead: Any) -> None:
+        """End what is left of the dead engine, then remove the shared memory segments its
+        processes had mapped: vLLM's CPU workers create the ones of their groups (rank 0) and
+        remove them when they close, which a killed worker never does. The names are the
+        dead engine's own (a new engine's groups have new ones)."""
+        _shut_down(dead)
+        processes = self._processes_of(dead)
+        self._processes = [known for known in self._processes if known[0] is not dead]
+        removed = procs.remove_files(processes.shared_memory)
+        if removed:
+            log.info("ftkit: removed %d shared memory segment(s) of the dead engine",
+                     len(removed))
 
     # --- generate ---------------------------------------------------------------------------
 
@@ -200,13 +236,11 @@ class RestartingEngine:
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
             engine = self._engine
-            watched = self._watched
-            if watched is None or watched[0] is not engine:
-                watched = self._watched = (engine, _Processes.of(engine))
-            if not engine.errored and self._can_restart() and watched[1].one_died():
+            watched = self._processes_of(engine)
+            if not engine.errored and self._can_restart() and watched.one_died():
                 # vLLM itself sees a worker's death only once its engine core has given the
                 # other workers their grace periods (seconds): the engine is dead now.
-                log.warning("ftkit: a process of the engine died (%s)", watched[1].dead)
+                log.warning("ftkit: a process of the engine died (%s)", watched.dead)
                 _mark_dead(engine)
             if engine.errored and self._replacing is None and self._can_restart():
                 await self._replaced(engine)
@@ -236,8 +270,7 @@ class RestartingEngine:
         _end_requests(dead)
         # Its workers that still live would be ended by its engine core only after their
         # grace period (seconds of a cold start's wait); they serve no one any more.
-        if self._watched is not None and self._watched[0] is dead:
-            self._watched[1].end_workers()
+        self._processes_of(dead).end_workers()
         self.restarts += 1
         began = self._death_at = time.monotonic()
         log.warning("ftkit: the engine died (%s); replacing it (restart %d of %d, %s)",
@@ -247,12 +280,12 @@ class RestartingEngine:
         standby = self._standby_ready()
         try:
             if not standby:  # a cold start gets the dead engine's memory and cores first
-                await loop.run_in_executor(None, functools.partial(_shut_down, dead))
+                await loop.run_in_executor(None, functools.partial(self._end_dead, dead))
             new = await loop.run_in_executor(None, self._take_standby_or_start)
             self._engine = new
             self._retired.append(dead)
             if standby:  # the streams go on at once; the dead engine is ended behind them
-                loop.run_in_executor(None, functools.partial(_shut_down, dead))
+                loop.run_in_executor(None, functools.partial(self._end_dead, dead))
             self.restart_seconds.append(time.monotonic() - began)
             log.warning("ftkit: the new engine serves after %.2f s", self.restart_seconds[-1])
             self._events.emit(EngineReplaced(error=_death_of(dead),
@@ -274,7 +307,7 @@ class RestartingEngine:
 
         def start() -> None:
             try:
-                standby = self._start(False)
+                standby = self._started(False)
             except Exception as exc:  # noqa: BLE001 - a restart then starts an engine itself
                 log.error("ftkit: the standby engine did not start: %s", exc)
                 return
@@ -318,7 +351,34 @@ class RestartingEngine:
         standby, self._standby, self._standby_thread = self._standby, None, None
         if standby is not None:
             return standby
-        return self._start(True)
+        return self._started(True)
+
+
+#: The shared memory segments of the engines this server process started: removed when it
+#: exits (``remove_at_exit``).
+_SEGMENTS_AT_EXIT: set[str] = set()
+_REMOVING_AT_EXIT = False
+
+
+def remove_at_exit(paths: set[str]) -> None:
+    """Remove ``paths`` (an engine's shared memory segments) when this server process exits.
+    vLLM's CPU workers remove their groups' segments only when their shared memory manager is
+    destroyed, which a worker killed, or ended by its engine core's shutdown, never reaches:
+    a server that stopped on SIGTERM left its engine's behind, 4 MiB each, as did every engine
+    that died. The server's process outlives its engines; the names are per engine (vLLM's
+    ``VLLM_DIST_IDENT``), so none is another's."""
+    global _REMOVING_AT_EXIT
+    if not _REMOVING_AT_EXIT:
+        atexit.register(_remove_segments)
+        _REMOVING_AT_EXIT = True
+    _SEGMENTS_AT_EXIT.update(paths)
+
+
+def _remove_segments() -> None:
+    removed = procs.remove_files(_SEGMENTS_AT_EXIT)
+    _SEGMENTS_AT_EXIT.clear()
+    if removed:
+        log.info("ftkit: removed %d shared memory segment(s) the engines left", len(removed))
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -348,6 +408,11 @@ class _Processes:
         self.processes = processes
         #: Those of ``processes`` that are workers.
         self.workers = workers or []
+        #: The shared memory segments the processes had mapped when found (their groups'),
+        #: less Python's named semaphores (``sem.*``): those are the resource tracker's of
+        #: the process that made them, which may be the server itself.
+        self.shared_memory = {path for path in procs.shared_memory_files(processes)
+                              if not os.path.basename(path).startswith("sem.")}
         self.dead = ""
 
     @classmethod
@@ -648,8 +713,12 @@ def install() -> None:
     @functools.wraps(original)
     def from_vllm_config(cls: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
         config = recovery_settings(vllm_config)
-        if config is None or not config.enabled or not config.max_restarts:
+        if config is None or not config.enabled:
             return original(cls, vllm_config, *args, **kwargs)
+        if not config.max_restarts:
+            engine = original(cls, vllm_config, *args, **kwargs)
+            remove_at_exit(_Processes.of(engine).shared_memory)
+            return engine
 
         # Each engine after the first starts from a copy of the configuration as it was
         # before any start: vLLM writes into it while it starts an engine (with data

@@ -29,6 +29,8 @@ from ftkit.vllm.environment import effective_engine_env
 
 #: A TP 2 server of the tiny model starts in 20-40 s on two cores; beside other tests, more.
 START_TIMEOUT_S = 240.0
+#: How often the server's shared memory segments are looked for while a test runs.
+SEGMENTS_EVERY_S = 1.0
 #: The fault-tolerance settings of the serving tests' server (injection on).
 SECRET = "serving-tests-secret-0123456789"
 
@@ -84,6 +86,16 @@ def vllm_server(model: str, log: Path, *, tp: int = 2,
         process = procs.spawn(argv, stdout=out, stderr=subprocess.STDOUT, env=environ)
     root = psutil.Process(process.pid)
     server = Server(f"http://127.0.0.1:{port}", process, log)
+    # The shared memory segments the server's processes map (every engine's, the killed
+    # ones' too): none may be left once the server has ended.
+    segments: set[str] = set()
+
+    def look() -> None:
+        tree = [root, *procs.descendants(root)] if procs.alive(root) else []
+        segments.update(p for p in procs.shared_memory_files(tree)
+                        if not os.path.basename(p).startswith("sem."))
+
+    served = False
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -99,16 +111,23 @@ def vllm_server(model: str, log: Path, *, tp: int = 2,
                 pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S:.0f} "
                             f"s:\n{server.output()[-4000:]}")
             time.sleep(0.5)
-        yield server
+        with procs.polling(SEGMENTS_EVERY_S, look):
+            yield server
+        served = True
     finally:
         if process.poll() is None:
+            look()
             process.send_signal(signal.SIGTERM)
             try:
                 process.wait(timeout=30)
             except Exception:  # noqa: BLE001 - killed below
                 pass
+        ended_itself = process.poll() is not None
         procs.kill_tree(root, session=process.pid)
         process.wait(timeout=10)
+        left = procs.remove_files(segments)
+    if served and ended_itself and left:
+        pytest.fail(f"the server left shared memory segments behind: {left}")
 
 
 def served_model(base_url: str) -> str:

@@ -14,32 +14,47 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from ftkit import procs
+from ftkit.config import RecoveryConfig
 from ftkit.vllm import restart
 
 #: A stand-in engine core: a process with two children named as vLLM names its workers (the
 #: process title is what ``psutil`` reads) and one helper child of another name.
+#: The first worker maps a segment of shared memory of its own, as vLLM's first CPU worker
+#: of a group does (it creates the group's segments, and removes them when it closes).
 CORE = r"""
 import subprocess, sys, time
 code = "import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); time.sleep(120)"
-kids = [subprocess.Popen([sys.executable, "-c", code, name])
+segment = ("import mmap, os, sys; fd = os.open(sys.argv[2], os.O_CREAT | os.O_RDWR, 0o600); "
+           "os.ftruncate(fd, 4096); m = mmap.mmap(fd, 4096); os.close(fd); ")
+kids = [subprocess.Popen([sys.executable, "-c", (segment if name.endswith("TP0") else "") + code,
+                          name, sys.argv[1]])
         for name in ("VLLM::Worker_TP0", "VLLM::Worker_TP1", "helper")]
 print(" ".join(str(k.pid) for k in kids), flush=True)
 time.sleep(120)
 """
 
 
+#: The stand-in's segment.
+SEGMENT = f"{procs.SHM_DIR}ftkit-test-restart-watch-{os.getpid()}"
+
+
 @pytest.fixture
 def core():
-    proc = subprocess.Popen([sys.executable, "-c", CORE], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", CORE, SEGMENT], stdout=subprocess.PIPE,
+                            text=True)
     pids: list[int] = []
     try:
         pids += [int(p) for p in proc.stdout.readline().split()]
         deadline = time.monotonic() + 30
-        while not all("Worker" in psutil.Process(p).name() for p in pids[:2]):
+        while not (all("Worker" in psutil.Process(p).name() for p in pids[:2])
+                   and SEGMENT in procs.shared_memory_files([psutil.Process(pids[0])])):
             assert time.monotonic() < deadline, "the stand-in workers did not start"
             time.sleep(0.05)
         yield proc, pids
     finally:
+        if os.path.exists(SEGMENT):
+            os.unlink(SEGMENT)
         for pid in pids:  # ours, by id (orphaned once the stand-in core is killed)
             try:
                 psutil.Process(pid).kill()
@@ -94,6 +109,24 @@ def test_the_surviving_workers_of_a_dead_engine_are_ended_not_its_core(core):
     # not a worker stay.
     assert proc.poll() is None
     assert psutil.Process(helper).status() != psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.skipif(not os.path.isdir(procs.SHM_DIR), reason="no /dev/shm on this system")
+def test_a_dead_engines_shared_memory_is_removed_when_it_is_ended(core):
+    proc, (w0, w1, helper) = core
+    engine = engine_of(proc.pid)
+    server = restart.RestartingEngine(lambda primary: engine, RecoveryConfig(max_restarts=1))
+    assert SEGMENT in server._processes_of(engine).shared_memory
+    os.kill(w0, signal.SIGKILL)  # the segment's maker: nothing of vLLM's removes it now
+    deadline = time.monotonic() + 10
+    while procs.alive(psutil.Process(w0)):
+        assert time.monotonic() < deadline, "the killed worker did not end"
+        time.sleep(0.05)
+    assert os.path.exists(SEGMENT)  # without ftkit's clean-up it stays (the crippled case)
+    server._end_dead(engine)
+    assert not os.path.exists(SEGMENT)
+    # The engine is forgotten: a second end (or a new engine's) removes nothing of it again.
+    assert server._processes_of(engine).shared_memory == set()
 
 
 def test_an_engine_without_local_processes_is_left_to_vllms_own_watch():
