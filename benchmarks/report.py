@@ -368,7 +368,7 @@ SERVE_INTRO = (
     "largest gap between two tokens any client saw, and whether every stream's token ids and "
     "logprobs equal the same server's fault-free run; then SIGKILL of the serving engine's "
     "`Worker_TP1` while the streams run (a `process_kill` planned through the injection route "
-    "at a quarter of one stream's tokens: timed on the server's progress), replaced by a new "
+    "30 of the server's steps after every client had sent its request), replaced by a new "
     "engine (`cold`) "
     "and, on a server with `standby: true`, by the warm standby: the time from the kill until "
     "every stream the server resumed had its first output from the new engine, on the server "

@@ -20,9 +20,9 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
   ``faults`` server replaces its engine with a new one), and the same on a server with
   ``{"enabled": true, "injection": true, "max_restarts": 1, "standby": true}`` (``standby``:
   the warm standby takes over). The kill is timed on the server's own progress: a
-  ``process_kill`` planned through the injection route for rank 1 at a quarter of one
-  stream's tokens (the worker SIGKILLs itself there; its ``FaultFired`` event gives the
-  kill's time). A kill timed on what the clients had read came after the streams had finished
+  ``process_kill`` planned through the injection route for rank 1, 30 of the server's steps
+  after every client had sent its request (the worker SIGKILLs itself there; its
+  ``FaultFired`` event gives the kill's time). A kill timed on what the clients had read came after the streams had finished
   at the engine (the clients share the two cores and read seconds late), and vLLM's
   ``vllm:generation_tokens_total`` moves in batches, reaching a run's tokens only after the
   clients had them all. Reported, from the kill until every stream the server resumed had its
@@ -77,13 +77,16 @@ ENGINE_CORE = "EngineCore"
 FAULT_TOKEN = 8
 FAULT_REQUEST = 1
 #: The kill: the serving engine's rank 1 (its ``Worker_TP1``) kills itself with SIGKILL
-#: (a ``process_kill`` planned through the injection route) in the step of this part of
-#: stream ``KILL_REQUEST``'s tokens: timed on the server's own progress, while every stream
-#: runs there (the clients, on the same cores, read seconds late, and a kill timed on what
-#: they read found the streams finished at the engine).
+#: (a ``process_kill`` planned through the injection route) this many of the server's steps
+#: after every client had sent its request: timed on the server's own progress. The clients
+#: share the two cores with the engine and the server and are starved: measured, three of
+#: six clients sent their requests 7 s after the release, and a stream's 1200 tokens reached
+#: its client within the last half second of a 23 s run. A kill timed on what they read came
+#: after the streams had finished at the engine; one timed on the first stream's tokens
+#: found the others not yet sent; one planned for the last-sent stream's token came after
+#: that token (the plan itself left the starved client late).
 KILL_RANK = 1
-KILL_REQUEST = 0
-KILL_AT = 0.25
+KILL_AFTER_STEPS = 30
 RUN_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0
 #: What the server logs (ftkit.vllm.restart, ftkit's injector).
@@ -374,10 +377,10 @@ class Driven:
 
 
 def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_tokens: int,
-          during: Callable[[], None] | None = None, during_after: int = 0) -> Driven:
+          during: Callable[[list[Stream]], None] | None = None) -> Driven:
     """Every prompt of ``texts`` streamed at once as ``<tag>-<i>`` (greedy, ``max_tokens``
-    tokens each, ``ignore_eos``); ``during()`` runs once any stream delivered
-    ``during_after`` tokens (or ended). Bounded by ``RUN_TIMEOUT_S``."""
+    tokens each, ``ignore_eos``); ``during(streams)`` runs once every stream's request was
+    sent (or one stream ended). Bounded by ``RUN_TIMEOUT_S``."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     streams = [Stream(i) for i in range(len(texts))]
@@ -395,11 +398,11 @@ def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_token
     during_at = None
     if during is not None:
         while time.monotonic() < deadline:
-            if any(not t.is_alive() for t in threads) or any(
-                    len(s.token_times) >= during_after for s in streams):
+            if any(not t.is_alive() for t in threads) or all(
+                    s.sent_at is not None for s in streams):
                 break
             time.sleep(0.005)
-        during()
+        during(streams)
         during_at = time.monotonic() - t0[0]  # ``during`` ends with what it does (a kill)
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -471,13 +474,15 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     settle()
     assert server.watch is not None
     ups_before = len(server.watch.seen[ENGINE_UP_LOG])
-    # The kill, planned on the server's own progress: the serving engine's Worker_TP1 kills
-    # itself (SIGKILL) in the step of stream KILL_REQUEST's token KILL_AT.
-    inject_live_fault(server.url, {
-        "kind": "process_kill", "rank": KILL_RANK, "phase": "forward", "times": 1,
-        "params": {}, "request_id": f"kill-run-{KILL_REQUEST}",
-        "token": int(plan.kill_tokens * KILL_AT)}, server.secret)
-    run = drive(server, model, "kill-run", texts, plan.kill_tokens)
+
+    def kill(streams: list[Stream]) -> None:
+        # Planned on the server's own progress once every request was sent: the serving
+        # engine's Worker_TP1 kills itself (SIGKILL) KILL_AFTER_STEPS steps on.
+        inject_live_fault(server.url, {
+            "kind": "process_kill", "rank": KILL_RANK, "phase": "forward", "times": 1,
+            "params": {}, "after_steps": KILL_AFTER_STEPS}, server.secret)
+
+    run = drive(server, model, "kill-run", texts, plan.kill_tokens, during=kill)
     time.sleep(0.2)  # the server's last lines
     text = server.text()
     fired = [e for e in only(read_events(server.event_log_dir), FaultFired)
@@ -506,7 +511,7 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
           f"{len(run.errors())} failed", flush=True)
     return {"mode": "standby" if standby else "cold", "streams": len(texts),
             "max_tokens": plan.kill_tokens, "killed_pid": fired[0].pid if fired else None,
-            "kill_token": int(plan.kill_tokens * KILL_AT), "kill_at_s": kill_at,
+            "kill_after_steps": KILL_AFTER_STEPS, "kill_at_s": kill_at,
             "running_at_kill": len(running),
             "resumed": len(resumed),
             # Every stream the server resumed delivered the new engine's first token.

@@ -49,7 +49,10 @@ from ftkit.contracts.requests import served_resume_id
 log = logging.getLogger("ftkit")
 
 #: How often the watch looks whether the engine, or one of its processes, died.
-WATCH_EVERY_S = 0.2
+WATCH_EVERY_S = 0.05
+#: After a warm standby took over, the dead engine is ended once every request it served has
+#: had an output from the new engine, or after this many seconds, whichever comes first.
+DEAD_ENGINE_GRACE_S = 10.0
 #: The bound on the warm standby's warm-up request (its first steps: vLLM compiles some of
 #: the model's operations then, and ftkit's workers assemble their recovery).
 WARM_UP_TIMEOUT_S = 300.0
@@ -103,6 +106,10 @@ class RestartingEngine:
         #: Dead engines replaced, whose renderer the server's handlers may still use.
         self._retired: list[Any] = []
         self._watcher: asyncio.Future[None] | None = None
+        #: The requests in flight (``generate``).
+        self._requests: set[_Request] = set()
+        #: Dead engines being ended behind a standby that took over (``_end_dead_behind``).
+        self._ending: set[asyncio.Future[None]] = set()
         #: Seconds each replacement took, from the death seen to the new engine ready.
         self.restart_seconds: list[float] = []
         #: When the last replacement began (``time.monotonic()``): the death being acted on.
@@ -137,15 +144,20 @@ class RestartingEngine:
         await self._engine.check_health()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        if self._watcher is not None:
-            from vllm.utils.async_utils import cancel_task_threadsafe
+        from vllm.utils.async_utils import cancel_task_threadsafe
 
-            cancel_task_threadsafe(self._watcher)
+        for task in [self._watcher, *self._ending]:
+            if task is not None:
+                cancel_task_threadsafe(task)
         standby, self._standby = self._standby, None
         warming, self._warming = self._warming, None
         for engine in (self._engine, standby, warming):
             if engine is not None:
                 engine.shutdown(timeout=timeout)
+        for engine in self._retired:  # one a standby replaced, not ended yet
+            if any(known is engine for known, _ in self._processes):
+                self._processes_of(engine).end_workers()
+                self._end_dead(engine)
         # An engine that shut down removed its segments itself; one that died when no
         # restart was left (or while the server ended) could not.
         for _, processes in self._processes:
@@ -174,6 +186,24 @@ class RestartingEngine:
                 return processes
         return _Processes([])
 
+    async def _end_dead_behind(self, dead: Any) -> None:
+        """End ``dead`` once each request it served has had an output from the new engine
+        (or ended), at most ``DEAD_ENGINE_GRACE_S`` after the takeover. Ending an engine
+        costs CPU (the kernel frees its workers' memory, its engine core shuts down): done
+        at once beside a standby on two cores, it delayed the resumed streams' first
+        outputs by about a second."""
+        deadline = time.monotonic() + DEAD_ENGINE_GRACE_S
+        served = [s for s in self._requests if s.engine is dead]
+        while time.monotonic() < deadline and any(
+                s in self._requests and (s.engine is dead or not s.went_on) for s in served):
+            await asyncio.sleep(WATCH_EVERY_S)
+        try:
+            self._processes_of(dead).end_workers()
+            await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self._end_dead, dead))
+        finally:
+            self._ending = {f for f in self._ending if not f.done()}
+
     def _end_dead(self, dead: Any) -> None:
         """End what is left of the dead engine, then remove the shared memory segments its
         processes had mapped: vLLM's CPU workers create the ones of their groups (rank 0) and
@@ -196,27 +226,34 @@ class RestartingEngine:
         self._watch()
         state = _Request(prompt, sampling_params, request_id)
         resumed: tuple[int, float] | None = None  # (tokens delivered, death) once resumed
-        while True:
-            engine = self._engine
-            try:
-                async for out in state.run(engine, kwargs):
-                    if resumed is not None:
-                        self._resumed(request_id, *resumed)
-                        resumed = None
-                    yield out
-                return
-            except Exception as exc:  # noqa: BLE001 - a dead engine fails requests in several ways
-                # (EngineDeadError from its output loop; EngineGenerateError or a socket
-                # error where the request met the engine's end first). Only a dead engine's
-                # failure is a death; any other goes to the client as vLLM's would.
-                if not (isinstance(exc, EngineDeadError) or engine.errored):
-                    raise
-                if not await self._replaced(engine):
-                    raise
-                self.resumed_requests += 1
-                resumed = (state.delivered(), self._death_at)
-                log.warning("ftkit: resuming request %s on the new engine after %s token(s)",
-                            request_id, state.delivered())
+        self._requests.add(state)
+        try:
+            while True:
+                engine = state.engine = self._engine
+                state.went_on = False
+                try:
+                    async for out in state.run(engine, kwargs):
+                        if resumed is not None:
+                            self._resumed(request_id, *resumed)
+                            resumed = None
+                        state.went_on = True
+                        yield out
+                    return
+                except Exception as exc:  # noqa: BLE001 - a dead engine fails requests in several
+                    # ways (EngineDeadError from its output loop; EngineGenerateError or a
+                    # socket error where the request met the engine's end first). Only a dead
+                    # engine's failure is a death; any other goes to the client as vLLM's
+                    # would.
+                    if not (isinstance(exc, EngineDeadError) or engine.errored):
+                        raise
+                    if not await self._replaced(engine):
+                        raise
+                    self.resumed_requests += 1
+                    resumed = (state.delivered(), self._death_at)
+                    log.warning("ftkit: resuming request %s on the new engine after %s "
+                                "token(s)", request_id, state.delivered())
+        finally:
+            self._requests.discard(state)
 
     def _resumed(self, request_id: str, delivered: int, death_at: float) -> None:
         """A resumed request's first output from the new engine is going to its client."""
@@ -269,8 +306,10 @@ class RestartingEngine:
         # loop, and a request it had not told yet would wait for ever.)
         _end_requests(dead)
         # Its workers that still live would be ended by its engine core only after their
-        # grace period (seconds of a cold start's wait); they serve no one any more.
-        self._processes_of(dead).end_workers()
+        # grace period (seconds of a cold start's wait); they serve no one any more. (Behind
+        # a warm standby they are ended with the rest of it, below.)
+        if not self._standby_ready():
+            self._processes_of(dead).end_workers()
         self.restarts += 1
         began = self._death_at = time.monotonic()
         log.warning("ftkit: the engine died (%s); replacing it (restart %d of %d, %s)",
@@ -285,7 +324,7 @@ class RestartingEngine:
             self._engine = new
             self._retired.append(dead)
             if standby:  # the streams go on at once; the dead engine is ended behind them
-                loop.run_in_executor(None, functools.partial(self._end_dead, dead))
+                self._ending.add(asyncio.ensure_future(self._end_dead_behind(dead)))
             self.restart_seconds.append(time.monotonic() - began)
             log.warning("ftkit: the new engine serves after %.2f s", self.restart_seconds[-1])
             self._events.emit(EngineReplaced(error=_death_of(dead),
@@ -515,6 +554,9 @@ class _Request:
         self.prompt_text: str | None = None
         self.completions: dict[int, _Completion] = {}
         self.attempts = 0
+        #: The engine the request runs on now, and whether it had an output from it.
+        self.engine: Any = None
+        self.went_on = False
 
     def delivered(self) -> int:
         return sum(len(c.token_ids) for c in self.completions.values())

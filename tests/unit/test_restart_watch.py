@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import psutil
 import pytest
@@ -144,3 +145,48 @@ def test_a_dead_engine_is_marked_and_its_waiting_requests_are_told():
     assert engine.engine_core.resources.engine_dead is True
     restart._end_requests(engine)
     assert len(told) == 1 and isinstance(told[0], EngineDeadError)
+
+
+def test_behind_a_standby_the_dead_engine_is_ended_once_its_requests_went_on(monkeypatch):
+    import asyncio
+
+    dead, new = engine_of(1), engine_of(2)
+    server = restart.RestartingEngine(lambda primary: new, RecoveryConfig(max_restarts=1))
+    ended: list[float] = []
+    monkeypatch.setattr(server, "_end_dead", lambda engine: ended.append(time.monotonic()))
+    waiting = restart._Request(None, None, "a")
+    waiting.engine = dead
+    elsewhere = restart._Request(None, None, "b")  # on the new engine already: not waited for
+    elsewhere.engine = new
+    server._requests |= {waiting, elsewhere}
+
+    async def run() -> float:
+        behind = asyncio.ensure_future(server._end_dead_behind(dead))
+        await asyncio.sleep(0.3)
+        assert not ended, "the dead engine was ended before its request went on"
+        waiting.engine = new  # resumed on the new engine ...
+        await asyncio.sleep(0.2)
+        assert not ended, "the dead engine was ended before the resumed request's output"
+        went_on = time.monotonic()
+        waiting.went_on = True  # ... and its first output from it went out
+        await asyncio.wait_for(behind, 5)
+        return went_on
+
+    went_on = asyncio.run(run())
+    assert len(ended) == 1 and ended[0] >= went_on
+
+
+def test_behind_a_standby_the_dead_engine_is_ended_after_the_grace_at_most(monkeypatch):
+    import asyncio
+
+    dead, new = engine_of(1), engine_of(2)
+    server = restart.RestartingEngine(lambda primary: new, RecoveryConfig(max_restarts=1))
+    ended: list[Any] = []
+    monkeypatch.setattr(server, "_end_dead", ended.append)
+    monkeypatch.setattr(restart, "DEAD_ENGINE_GRACE_S", 0.3)
+    stuck = restart._Request(None, None, "a")
+    stuck.engine = dead  # never goes on
+    server._requests.add(stuck)
+    began = time.monotonic()
+    asyncio.run(asyncio.wait_for(server._end_dead_behind(dead), 5))
+    assert ended == [dead] and 0.3 <= time.monotonic() - began < 3
