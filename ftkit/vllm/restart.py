@@ -89,8 +89,11 @@ class RestartingEngine:
         self.standby_wanted = config.standby
         #: The replacements, in the ranks' event log when the settings name one.
         self._events = EventLog(SERVER_RANK, config.event_log_dir)
-        #: The processes of every engine started and not yet ended (``_processes_of``).
+        #: The processes of every engine started and not yet ended (``_processes_of``),
+        #: changed under ``_processes_lock`` (the standby starts in a thread of its own, a
+        #: dead engine is ended in the executor's).
         self._processes: list[tuple[Any, _Processes]] = []
+        self._processes_lock = threading.Lock()
         self._engine = self._started(True)
         #: The server's event loop (the standby's warm-up request runs in it).
         self._loop = _running_loop()
@@ -155,14 +158,13 @@ class RestartingEngine:
             if engine is not None:
                 engine.shutdown(timeout=timeout)
         for engine in self._retired:  # one a standby replaced, not ended yet
-            if any(known is engine for known, _ in self._processes):
+            if self._processes_of(engine).processes:
                 self._processes_of(engine).end_workers()
                 self._end_dead(engine)
         # An engine that shut down removed its segments itself; one that died when no
         # restart was left (or while the server ended) could not.
-        for _, processes in self._processes:
+        for processes in self._forget():
             procs.remove_files(processes.shared_memory)
-        self._processes = []
         for engine in self._retired:  # what the server still used of them (_shut_down)
             renderer = getattr(engine, "renderer", None)
             if renderer is not None:
@@ -176,15 +178,25 @@ class RestartingEngine:
         process killed before the watch first looked would otherwise leave its segments."""
         engine = self._start(primary)
         processes = _Processes.of(engine)
-        self._processes.append((engine, processes))
+        with self._processes_lock:
+            self._processes.append((engine, processes))
         remove_at_exit(processes.shared_memory)
         return engine
 
     def _processes_of(self, engine: Any) -> _Processes:
-        for known, processes in self._processes:
-            if known is engine:
-                return processes
+        with self._processes_lock:
+            for known, processes in self._processes:
+                if known is engine:
+                    return processes
         return _Processes([])
+
+    def _forget(self, engine: Any | None = None) -> list[_Processes]:
+        """Stop tracking ``engine`` (by default every engine); the processes it had."""
+        with self._processes_lock:
+            gone = [p for known, p in self._processes if engine is None or known is engine]
+            self._processes = [known for known in self._processes
+                               if engine is not None and known[0] is not engine]
+        return gone
 
     async def _end_dead_behind(self, dead: Any) -> None:
         """End ``dead`` once each request it served has had an output from the new engine
@@ -210,9 +222,8 @@ class RestartingEngine:
         remove them when they close, which a killed worker never does. The names are the
         dead engine's own (a new engine's groups have new ones)."""
         _shut_down(dead)
-        processes = self._processes_of(dead)
-        self._processes = [known for known in self._processes if known[0] is not dead]
-        removed = procs.remove_files(processes.shared_memory)
+        removed = procs.remove_files(path for processes in self._forget(dead)
+                                     for path in processes.shared_memory)
         if removed:
             log.info("ftkit: removed %d shared memory segment(s) of the dead engine",
                      len(removed))
