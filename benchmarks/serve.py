@@ -360,8 +360,6 @@ def serving(work: Path, label: str, fault_tolerance: dict[str, Any],
 class Driven:
     streams: list[Stream]
     timed_out: bool
-    #: When ``during`` ran, seconds after the streams' release.
-    during_at: float | None = None
     #: When the streams were released, on the wall clock (``time.time()``: the server's
     #: events carry it).
     released_wall: float = 0.0
@@ -377,9 +375,9 @@ class Driven:
 
 
 def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_tokens: int,
-          during: Callable[[list[Stream]], None] | None = None) -> Driven:
+          during: Callable[[], None] | None = None) -> Driven:
     """Every prompt of ``texts`` streamed at once as ``<tag>-<i>`` (greedy, ``max_tokens``
-    tokens each, ``ignore_eos``); ``during(streams)`` runs once every stream's request was
+    tokens each, ``ignore_eos``); ``during()`` runs once every stream's request was
     sent (or one stream ended). Bounded by ``RUN_TIMEOUT_S``."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -395,18 +393,16 @@ def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_token
     t0[0] = time.monotonic()
     released_wall = time.time()
     start.set()
-    during_at = None
     if during is not None:
         while time.monotonic() < deadline:
             if any(not t.is_alive() for t in threads) or all(
                     s.sent_at is not None for s in streams):
                 break
             time.sleep(0.005)
-        during(streams)
-        during_at = time.monotonic() - t0[0]  # ``during`` ends with what it does (a kill)
+        during()
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    return Driven(streams, any(t.is_alive() for t in threads), during_at, released_wall)
+    return Driven(streams, any(t.is_alive() for t in threads), released_wall)
 
 
 # --- 1. tokens per second, recovery on and off ------------------------------------------------
@@ -475,7 +471,7 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     assert server.watch is not None
     ups_before = len(server.watch.seen[ENGINE_UP_LOG])
 
-    def kill(streams: list[Stream]) -> None:
+    def kill() -> None:
         # Planned on the server's own progress once every request was sent: the serving
         # engine's Worker_TP1 kills itself (SIGKILL) KILL_AFTER_STEPS steps on.
         inject_live_fault(server.url, {

@@ -72,9 +72,12 @@ def descendants(proc: psutil.Process) -> list[psutil.Process]:
         return []
 
 
-def shared_memory_files(processes: Iterable[psutil.Process]) -> set[str]:
+def shared_memory_files(processes: Iterable[psutil.Process], semaphores: bool = True
+                        ) -> set[str]:
     """The shared memory segments (files under ``SHM_DIR``) that ``processes`` have mapped or
-    open now: what they would leave behind if they were killed."""
+    open now: what they would leave behind if they were killed. ``semaphores=False`` leaves
+    out Python's named semaphores (``sem.*``): those are the resource tracker's of the process
+    that made them, which may be one that is not going away."""
     found: set[str] = set()
     for proc in processes:
         try:
@@ -82,6 +85,8 @@ def shared_memory_files(processes: Iterable[psutil.Process]) -> set[str]:
             found.update(f.path for f in proc.open_files() if f.path.startswith(SHM_DIR))
         except (psutil.Error, OSError):
             continue  # gone, or not ours to read: it holds nothing we can name
+    if not semaphores:
+        found = {path for path in found if not path.startswith(SHM_DIR + "sem.")}
     return found
 
 

@@ -34,7 +34,6 @@ import copy
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -159,7 +158,6 @@ class RestartingEngine:
                 engine.shutdown(timeout=timeout)
         for engine in self._retired:  # one a standby replaced, not ended yet
             if self._processes_of(engine).processes:
-                self._processes_of(engine).end_workers()
                 self._end_dead(engine)
         # An engine that shut down removed its segments itself; one that died when no
         # restart was left (or while the server ended) could not.
@@ -210,7 +208,6 @@ class RestartingEngine:
                 s in self._requests and (s.engine is dead or not s.went_on) for s in served):
             await asyncio.sleep(WATCH_EVERY_S)
         try:
-            self._processes_of(dead).end_workers()
             await asyncio.get_running_loop().run_in_executor(
                 None, functools.partial(self._end_dead, dead))
         finally:
@@ -220,7 +217,11 @@ class RestartingEngine:
         """End what is left of the dead engine, then remove the shared memory segments its
         processes had mapped: vLLM's CPU workers create the ones of their groups (rank 0) and
         remove them when they close, which a killed worker never does. The names are the
-        dead engine's own (a new engine's groups have new ones)."""
+        dead engine's own (a new engine's groups have new ones). Its workers that still live
+        are SIGKILLed first: its engine core would end them only after their grace period
+        (seconds a cold replacement would wait for their memory and cores); they serve no one
+        any more."""
+        self._processes_of(dead).end_workers()
         _shut_down(dead)
         removed = procs.remove_files(path for processes in self._forget(dead)
                                      for path in processes.shared_memory)
@@ -316,11 +317,6 @@ class RestartingEngine:
         # output loop tells them when it meets the death; ending the engine below cancels that
         # loop, and a request it had not told yet would wait for ever.)
         _end_requests(dead)
-        # Its workers that still live would be ended by its engine core only after their
-        # grace period (seconds of a cold start's wait); they serve no one any more. (Behind
-        # a warm standby they are ended with the rest of it, below.)
-        if not self._standby_ready():
-            self._processes_of(dead).end_workers()
         self.restarts += 1
         began = self._death_at = time.monotonic()
         log.warning("ftkit: the engine died (%s); replacing it (restart %d of %d, %s)",
@@ -459,10 +455,8 @@ class _Processes:
         #: Those of ``processes`` that are workers.
         self.workers = workers or []
         #: The shared memory segments the processes had mapped when found (their groups'),
-        #: less Python's named semaphores (``sem.*``): those are the resource tracker's of
-        #: the process that made them, which may be the server itself.
-        self.shared_memory = {path for path in procs.shared_memory_files(processes)
-                              if not os.path.basename(path).startswith("sem.")}
+        #: less Python's named semaphores (which may be the server's own).
+        self.shared_memory = procs.shared_memory_files(processes, semaphores=False)
         self.dead = ""
 
     @classmethod

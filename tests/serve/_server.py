@@ -92,8 +92,7 @@ def vllm_server(model: str, log: Path, *, tp: int = 2,
 
     def look() -> None:
         tree = [root, *procs.descendants(root)] if procs.alive(root) else []
-        segments.update(p for p in procs.shared_memory_files(tree)
-                        if not os.path.basename(p).startswith("sem."))
+        segments.update(procs.shared_memory_files(tree, semaphores=False))
 
     served = False
     try:
