@@ -217,11 +217,10 @@ class RestartingEngine:
         """End what is left of the dead engine, then remove the shared memory segments its
         processes had mapped: vLLM's CPU workers create the ones of their groups (rank 0) and
         remove them when they close, which a killed worker never does. The names are the
-        dead engine's own (a new engine's groups have new ones). Its workers that still live
-        are SIGKILLed first: its engine core would end them only after their grace period
-        (seconds a cold replacement would wait for their memory and cores); they serve no one
-        any more."""
-        self._processes_of(dead).end_workers()
+        dead engine's own (a new engine's groups have new ones). Its processes that still
+        live are SIGKILLed first (``_Processes.end``): a cold replacement would wait seconds
+        for their memory and cores."""
+        self._processes_of(dead).end()
         _shut_down(dead)
         removed = procs.remove_files(path for processes in self._forget(dead)
                                      for path in processes.shared_memory)
@@ -327,6 +326,8 @@ class RestartingEngine:
         try:
             if not standby:  # a cold start gets the dead engine's memory and cores first
                 await loop.run_in_executor(None, functools.partial(self._end_dead, dead))
+                log.info("ftkit: the dead engine ended in %.2f s; starting a new one",
+                         time.monotonic() - began)
             new = await loop.run_in_executor(None, self._take_standby_or_start)
             self._engine = new
             self._retired.append(dead)
@@ -475,13 +476,16 @@ class _Processes:
             return cls([])
         return cls(cores + workers, workers)
 
-    def end_workers(self) -> None:
-        """SIGKILL the workers still alive (``psutil`` checks that each pid is still the
-        process found, not one that took its number since). Their engine core, left alive,
-        then ends itself and removes what it shared with them as vLLM does."""
+    def end(self) -> None:
+        """SIGKILL the engine's processes still alive, its workers and its engine core
+        (``psutil`` checks that each pid is still the process found, not one that took its
+        number since). They serve no one any more: a worker left alive would end only after
+        the grace period its engine core gives it, and an engine core asked to shut down
+        tears down for seconds (2.4 s measured on two cores) that a cold replacement waits
+        for. What they shared is removed by ftkit (``RestartingEngine._end_dead``)."""
         import psutil
 
-        for proc in self.workers:
+        for proc in self.workers + [p for p in self.processes if p not in self.workers]:
             try:
                 proc.kill()
             except psutil.Error:

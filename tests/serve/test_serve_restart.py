@@ -26,7 +26,9 @@ from typing import Any
 import openai
 import psutil
 import pytest
-from _server import served_model, vllm_server
+from _server import SECRET, served_model, vllm_server
+
+from ftkit import inject_live_fault
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -145,21 +147,35 @@ print(f"killer: line seen {{seen}}, pid {{pid}} killed {{time.strftime('%H:%M:%S
 """
 
 
+#: Steps of the resumed batch that run before a planned kill (all streams run by then).
+KILL_AFTER_STEPS = 20
+#: What the server logs once it sees its engine dead (replaced or not).
+DIED = "ftkit: the engine died"
+
+
 def kill_with_all_running(server: Any, name: str, count: int) -> Any:
     """What ``run_all`` calls (with the engine paused before the streams start): once the
     server received all ``count`` requests, the engine resumes and runs them all in one batch,
-    and a second after the engine core says so ``name`` is SIGKILLed (under load vLLM's API
-    server takes requests in and hands tokens out seconds late: neither the clients' view, nor
-    the arrival order, nor the server's answers time the kill safely; and the kill was seen to
-    come up to 15 s after the engine core's line, on a machine loaded with other tests, hence
-    the long streams)."""
+    and ``name`` is SIGKILLed while it does. Under load vLLM's API server takes requests in and
+    hands tokens out seconds late: neither the clients' view, nor the arrival order, nor the
+    server's answers time the kill safely. A worker is killed on the server's own progress:
+    ``process_kill`` planned through the injection route while the engine is paused, for the
+    ``KILL_AFTER_STEPS``-th step after it resumes (the worker SIGKILLs itself there). vLLM's
+    engine core has no such hook: a process of its own SIGKILLs it a second after the engine
+    core logs that it resumed (that kill was seen to come up to 17 s late on a loaded machine,
+    hence the long streams)."""
 
     healthy(server)  # (a replacement from the test before may still be starting)
-    # Started now (interpreter start may take seconds on a loaded machine), it waits for the
-    # engine core's line.
-    killer = subprocess.Popen([sys.executable, "-I", "-S", "-c", KILLER, str(server.log),
-                               str(server.output().count(UNPAUSED)),
-                               str(target(server, name))])
+    died = server.output().count(DIED)
+    killer = None
+    if name == ENGINE_CORE:
+        # Started now (interpreter start may take seconds on a loaded machine), it waits for
+        # the engine core's line.
+        killer = subprocess.Popen([sys.executable, "-I", "-S", "-c", KILLER, str(server.log),
+                                   str(server.output().count(UNPAUSED)),
+                                   str(target(server, name))])
+    else:
+        assert name.startswith("Worker_TP"), name
 
     def during(tag: str) -> None:
         try:
@@ -172,11 +188,21 @@ def kill_with_all_running(server: Any, name: str, count: int) -> Any:
                 assert time.monotonic() < deadline, "the server did not receive every request"
                 time.sleep(0.1)
             time.sleep(0.5)  # (each handed to the paused engine)
+            if killer is None:
+                planned = inject_live_fault(server.url, {
+                    "kind": "process_kill", "rank": int(name.removeprefix("Worker_TP")),
+                    "phase": "forward", "after_steps": KILL_AFTER_STEPS}, SECRET)
+                assert planned["planned"]["kind"] == "process_kill", planned
             # (the server's answer to /resume may come seconds late: not waited for)
             threading.Thread(target=post, args=(server, "/resume"), daemon=True).start()
-            assert killer.wait(150) == 0, "the kill did not happen"
+            if killer is not None:
+                assert killer.wait(150) == 0, "the kill did not happen"
+            deadline = time.monotonic() + 150
+            while server.output().count(DIED) == died:
+                assert time.monotonic() < deadline, "the server did not see its engine die"
+                time.sleep(0.1)
         finally:
-            if killer.poll() is None:
+            if killer is not None and killer.poll() is None:
                 killer.kill()
                 killer.wait(10)
 
@@ -300,8 +326,9 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("restart") / "server.log"
     # vLLM's development routes (/pause, /resume) and its log of each request received: the
     # test's means to start every stream in one batch before a kill.
-    with vllm_server(tiny_model, log, fault_tolerance={"enabled": True, "max_restarts": 2},
-                     env={"VLLM_SERVER_DEV_MODE": "1"},
+    with vllm_server(tiny_model, log, fault_tolerance={"enabled": True, "max_restarts": 2,
+                                                       "injection": True},
+                     env={"VLLM_SERVER_DEV_MODE": "1", "FTKIT_INJECT_SECRET": SECRET},
                      extra_args=("--chat-template", CHAT_TEMPLATE, "--max-model-len", "2048",
                                  "--enable-log-requests")) as srv:
         yield srv

@@ -96,20 +96,19 @@ def test_the_watch_sees_a_killed_engine_core(core):
     assert watched.one_died() and watched.dead == f"pid {proc.pid}"
 
 
-def test_the_surviving_workers_of_a_dead_engine_are_ended_not_its_core(core):
+def test_a_dead_engines_processes_are_ended(core):
     proc, (w0, w1, helper) = core
     watched = restart._Processes.of(engine_of(proc.pid))
     assert sorted(p.pid for p in watched.workers) == sorted([w0, w1])
-    os.kill(w1, signal.SIGKILL)  # the death; w0 lives on until its grace period
-    watched.end_workers()
+    os.kill(w1, signal.SIGKILL)  # the death; w0 and the core live on
+    watched.end()
     deadline = time.monotonic() + 10
-    while psutil.Process(w0).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "the surviving worker was not ended"
+    while psutil.Process(w0).status() != psutil.STATUS_ZOMBIE or proc.poll() is None:
+        assert time.monotonic() < deadline, "the surviving worker or the core was not ended"
         time.sleep(0.05)
-    # The engine core (it removes what it shared with its workers) and a process that is
-    # not a worker stay.
-    assert proc.poll() is None
-    assert psutil.Process(helper).status() != psutil.STATUS_ZOMBIE
+    assert proc.returncode == -signal.SIGKILL
+    # A process that is not the engine's (neither its core nor a worker) is left alone.
+    assert procs.alive(psutil.Process(helper))
 
 
 @pytest.mark.skipif(not os.path.isdir(procs.SHM_DIR), reason="no /dev/shm on this system")
