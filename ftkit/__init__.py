@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "measure_serve_oracle": "ftkit.runner.serve",
     # a scenario's server and its streaming clients (engine.mode serve)
     "ScenarioServer": "ftkit.runner.serve", "Stream": "ftkit.runner.serve",
+    "StreamedCompletion": "ftkit.runner.serve",
     "server_options": "ftkit.runner.serve", "stream_one": "ftkit.runner.serve",
     "ProgressEvent": "ftkit.progress", "EventSink": "ftkit.progress",
     # results and reports

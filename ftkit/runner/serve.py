@@ -12,11 +12,13 @@ plugin, driven by streaming ``openai`` clients, judged by the same oracle as an 
 3. plan each scenario fault through the injection route for request ``<run>-run-<index>``
    and its token, before any of those requests is sent;
 4. the faulted run, alike, as ``<run>-run-<index>``;
-5. the verdict: ``ftkit.verify`` compares the faulted run's token ids, logprobs and finish
-   reasons with the fault-free run's; the faults' records come from the ranks' event log
-   (``ftkit.runner.events``), so a fault that never fired is ``not_applied``, as offline; a
-   killed process is recovered by the server's replacement of its engine (``EngineReplaced``,
-   ``server_restarts``).
+5. the verdict: ``ftkit.verify`` compares each completion of the faulted run (a request with
+   ``n > 1`` has several: the stream's choices) with the fault-free run's: token ids, the
+   sampled tokens' logprobs, the top-k and prompt logprobs where asked
+   (``ftkit.scenario.rules.unstreamable`` says which a stream can carry), finish reasons;
+   the faults' records come from the ranks' event log (``ftkit.runner.events``), so a fault
+   that never fired is ``not_applied``, as offline; a killed process is recovered by the
+   server's replacement of its engine (``EngineReplaced``, ``server_restarts``).
 
 The oracle is the same server's fault-free run, not vLLM's batch-invariant mode: concurrent
 streams make each step's batch depend on arrival times, and the scenario passes only where the
@@ -64,8 +66,8 @@ from ftkit.contracts.job import EngineRestart
 from ftkit.errors import FtkitError
 from ftkit.kinds import kind_spec
 from ftkit.progress import EventSink, ProgressEvent, ignore_events
-from ftkit.results import (ClientView, FaultRecord, RecoveryRecord, RequestOutput, RunOutput,
-                           ScenarioResult, StreamView)
+from ftkit.results import (ClientView, FaultRecord, PositionLogprobs, RecoveryRecord,
+                           RequestOutput, RunOutput, ScenarioResult, StreamView)
 from ftkit.runner.events import collect_events, events_of_run
 from ftkit.scenario.model import FaultSpec, Scenario
 from ftkit.serve.control import SECRET_ENV
@@ -83,31 +85,82 @@ TOKEN_ID_PREFIX = "token_id:"
 # --- one stream ---------------------------------------------------------------------------
 
 @dataclass
-class Stream:
-    """One request's stream as the client got it."""
+class StreamedCompletion:
+    """One completion (one choice, ``index`` in vLLM's chunks) of a stream as the client got
+    it, in the shapes of the offline mode's ``RequestOutput``."""
 
-    request: int
-    background: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    #: Each position's top-k ``[token id, logprob]`` pairs, in vLLM's order.
+    top_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    #: Each prompt position's pairs (``None`` for the first), once the echo carried them.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     #: When each token arrived, seconds after the run's streams were released.
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+
+
+@dataclass
+class Stream:
+    """One request's stream as the client got it: its ``samples`` completions (the request's
+    ``n``), with the top-k logprobs when ``top_k`` and the prompt logprobs when ``prompt``."""
+
+    request: int
+    samples: int = 1
+    top_k: bool = False
+    prompt: bool = False
+    background: bool = False
+    completions: list[StreamedCompletion] = field(default_factory=list)
     sent_at: float | None = None
     error: str | None = None
 
-    def output(self) -> RequestOutput:
-        return RequestOutput(index=self.request, token_ids=self.token_ids,
-                             token_times=self.token_times, finish_reason=self.finish_reason,
-                             logprobs=self.logprobs)
+    def __post_init__(self) -> None:
+        if not self.completions:
+            self.completions = [StreamedCompletion() for _ in range(self.samples)]
+
+    @classmethod
+    def of(cls, request: int, sampling: dict[str, Any], *, background: bool = False) -> Stream:
+        """The stream of request ``request`` with vLLM's sampling fields ``sampling``: what it
+        records is what the offline mode records for them (``ftkit.vllm.workload``)."""
+        return cls(request, samples=int(sampling.get("n") or 1),
+                   top_k=int(sampling.get("logprobs") or 0) > 0,
+                   prompt=sampling.get("prompt_logprobs") is not None, background=background)
+
+    def completion(self, index: int) -> StreamedCompletion:
+        """The completion of choice ``index``; ``FtkitError`` for one the request has not."""
+        if not 0 <= index < len(self.completions):
+            raise FtkitError(f"the server sent choice {index} of a request with n = "
+                             f"{len(self.completions)}")
+        return self.completions[index]
+
+    def missing(self) -> str | None:
+        """What a finished stream lacks of what it asked for: the prompt logprobs of a
+        completion that has tokens (the echo did not carry them)."""
+        for sample, completion in enumerate(self.completions):
+            if self.prompt and completion.token_ids and completion.prompt_logprobs is None:
+                return f"the server sent no prompt logprobs for choice {sample}"
+        return None
+
+    def outputs(self) -> list[RequestOutput]:
+        """One ``RequestOutput`` per completion (``sample`` = its choice index)."""
+        return [RequestOutput(index=self.request, sample=sample, token_ids=c.token_ids,
+                              token_times=c.token_times, finish_reason=c.finish_reason,
+                              logprobs=c.logprobs,
+                              top_logprobs=c.top_logprobs if self.top_k else None,
+                              prompt_logprobs=c.prompt_logprobs)
+                for sample, c in enumerate(self.completions)]
 
     def view(self) -> StreamView:
-        times = self.token_times
-        ttft = times[0] - self.sent_at if times and self.sent_at is not None else None
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        return StreamView(request=self.request, tokens=len(self.token_ids), ttft_s=ttft,
-                          max_gap_s=max(gaps) if gaps else None, background=self.background,
-                          error=self.error)
+        """The client's view: time to the first token of any completion, and the longest
+        gap between two tokens of one completion (each is a stream its reader waits on)."""
+        firsts = [c.token_times[0] for c in self.completions if c.token_times]
+        ttft = min(firsts) - self.sent_at if firsts and self.sent_at is not None else None
+        gaps = [b - a for c in self.completions
+                for a, b in zip(c.token_times, c.token_times[1:])]
+        return StreamView(request=self.request,
+                          tokens=sum(len(c.token_ids) for c in self.completions),
+                          ttft_s=ttft, max_gap_s=max(gaps) if gaps else None,
+                          background=self.background, error=self.error)
 
 
 def token_id(token: str) -> int:
@@ -121,39 +174,89 @@ def token_id(token: str) -> int:
 def request_arguments(api: str, prompt: str, sampling: dict[str, Any]) -> dict[str, Any]:
     """The ``openai`` client's arguments for one streamed request of ``api``: the prompt, and
     the sampling fields (vLLM's names, as ``SamplingSpec.for_request`` gives them) in the body,
-    with the sampled token's logprob and token ids asked for."""
+    with token ids, the sampled tokens' logprobs and what ``Stream.of(sampling)`` records asked
+    for (``ftkit.scenario.rules.unstreamable`` refuses what they cannot ask: a scenario never
+    holds such a request)."""
     body = dict(sampling)
     body["return_tokens_as_token_ids"] = True
     if body.get("logit_bias"):
         body["logit_bias"] = {str(t): b for t, b in body["logit_bias"].items()}
+    # The recorded top k; -1 (the whole vocabulary) records none offline (ftkit.vllm.workload).
+    top = max(0, int(body.pop("logprobs", None) or 0))
     if api == "chat":
-        return {"messages": [{"role": "user", "content": prompt}], "logprobs": True,
-                "stream": True, "extra_body": body}
-    return {"prompt": prompt, "logprobs": 1, "stream": True, "extra_body": body}
+        # The chat API returns the first k entries of vLLM's position (the sampled token
+        # first, then by rank: chat_completion/serving.py _get_top_logprobs), one fewer than
+        # vLLM's and the offline mode's when the sampled token is outside the top k; asked
+        # for k + 1, it returns every entry the offline mode records (and, when the sampled
+        # token is inside the top k, rank k + 1 besides).
+        arguments: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}],
+                                     "logprobs": True}
+        if top:
+            arguments["top_logprobs"] = top + 1
+        return {**arguments, "stream": True, "extra_body": body}
+    arguments = {"prompt": prompt, "logprobs": top}
+    asked = body.pop("prompt_logprobs", None)
+    if asked is not None:
+        # Streamed only by the echo (``rules.unstreamable``); the prompt's token ids in the
+        # echo's chunk tell its prompt positions from its first output tokens.
+        arguments["echo"] = True
+        body["return_token_ids"] = True
+        if asked == 0:
+            body["prompt_logprobs"] = 0
+        else:  # vLLM asks for prompt_logprobs = logprobs
+            arguments["logprobs"] = asked
+    return {**arguments, "stream": True, "extra_body": body}
+
+
+def _position(top: Any) -> PositionLogprobs:
+    """One position's top logprobs as the client got them (a completions chunk's ``{token:
+    logprob}``, in vLLM's order; a chat chunk's ``TopLogprob`` list) as ``[token id,
+    logprob]`` pairs."""
+    if isinstance(top, dict):
+        return [[token_id(token), float(logprob)] for token, logprob in top.items()]
+    return [[token_id(entry.token), float(entry.logprob)] for entry in top]
 
 
 def _read_chunk(api: str, chunk: Any, stream: Stream, now: float) -> None:
-    if not chunk.choices:
-        return
-    choice = chunk.choices[0]
-    logprobs = choice.logprobs
-    if logprobs is not None:
-        if api == "chat":
-            pairs = [(t.token, t.logprob) for t in logprobs.content or []]
-        else:
-            pairs = list(zip(logprobs.tokens or [], logprobs.token_logprobs or []))
-        for token, logprob in pairs:
-            stream.token_ids.append(token_id(token))
-            stream.logprobs.append(float(logprob))
-            stream.token_times.append(now)
-    stream.finish_reason = choice.finish_reason or stream.finish_reason
+    """Take one streamed chunk: each of its choices goes to the completion of its index."""
+    for choice in chunk.choices or []:
+        completion = stream.completion(choice.index)
+        logprobs = choice.logprobs
+        if logprobs is not None:
+            if api == "chat":
+                positions = [(t.token, t.logprob, t.top_logprobs)
+                             for t in logprobs.content or []]
+            else:
+                tokens = logprobs.tokens or []
+                positions = list(zip(tokens, logprobs.token_logprobs or [],
+                                     logprobs.top_logprobs or [None] * len(tokens)))
+                # The echo (asked for with prompt_token_ids): the prompt's positions, then
+                # the first output tokens.
+                echoed = getattr(choice, "prompt_token_ids", None)
+                if echoed is not None:
+                    if stream.prompt:
+                        completion.prompt_logprobs = [None if top is None else _position(top)
+                                                      for _, _, top in positions[:len(echoed)]]
+                    positions = positions[len(echoed):]
+            for token, logprob, top in positions:
+                completion.token_ids.append(token_id(token))
+                completion.logprobs.append(float(logprob))
+                completion.token_times.append(now)
+                if stream.top_k:
+                    if top is None:
+                        raise FtkitError(f"the server sent no top logprobs for token "
+                                         f"{len(completion.token_ids) - 1} of choice "
+                                         f"{choice.index}")
+                    completion.top_logprobs.append(_position(top))
+        completion.finish_reason = choice.finish_reason or completion.finish_reason
 
 
 def stream_one(base_url: str, model: str, api: str, key: str, prompt: str,
                sampling: dict[str, Any], stream: Stream, start: threading.Event,
                t0: list[float], deadline: float) -> None:
     """Send one request with ``X-Request-Id: key`` on a connection of its own, once ``start``
-    is set, and read its stream into ``stream``; an error ends it (no retry)."""
+    is set, and read its stream into ``stream``; an error ends it (no retry), and so does a
+    stream that lacks what it asked for (``Stream.missing``)."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0,
@@ -166,6 +269,7 @@ def stream_one(base_url: str, model: str, api: str, key: str, prompt: str,
         chunks = create(model=model, extra_headers={"X-Request-Id": key}, **arguments)
         for chunk in chunks:
             _read_chunk(api, chunk, stream, time.monotonic() - t0[0])
+        stream.error = stream.missing()
     except Exception as exc:  # noqa: BLE001 - any end of a stream is the client's result
         stream.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -188,13 +292,13 @@ def drive(base_url: str, model: str, scenario: Scenario, tag: str,
     prompts = scenario.prompts()
     spec = scenario.sampling_spec()
     jobs: list[tuple[str, str, dict[str, Any], Stream]] = [
-        (f"{tag}-{i}", prompt, spec.for_request(i), Stream(i))
+        (f"{tag}-{i}", prompt, spec.for_request(i), Stream.of(i, spec.for_request(i)))
         for i, prompt in enumerate(prompts)]
     # Background streams: the workload's prompts and sampling, in turn.
     for j in range(workload.background_streams):
         i = j % len(prompts)
         jobs.append((f"{tag}-{BACKGROUND_PREFIX}{j}", prompts[i], spec.for_request(i),
-                     Stream(i, background=True)))
+                     Stream.of(i, spec.for_request(i), background=True)))
     start = threading.Event()
     t0 = [time.monotonic()]
     threads = [threading.Thread(target=stream_one, daemon=True,
@@ -213,7 +317,7 @@ def drive(base_url: str, model: str, scenario: Scenario, tag: str,
     streams = [stream for _, _, _, stream in jobs]
     compared = [s for s in streams if not s.background]
     errors = [f"request {s.request}: {s.error}" for s in compared if s.error is not None]
-    output = RunOutput(requests=[s.output() for s in compared],
+    output = RunOutput(requests=[o for s in compared for o in s.outputs()],
                        error="; ".join(errors) or None, timed_out=timed_out,
                        generate_s=time.monotonic() - t0[0], started_at=started_at)
     return DrivenRun(output, streams)
@@ -488,8 +592,8 @@ def measure_serve_oracle(scenario: Scenario, runs: int, *, model_dir: str,
                          run_timeout_s: float = SERVE_RUN_TIMEOUT_S) -> OracleMeasurement:
     """Start one server of ``scenario`` (its faults are not planned), send its workload
     (requests and background streams at once) ``runs`` times, and compare each run's
-    compared streams with the first's as a serve scenario's oracle does (token ids, the
-    sampled tokens' logprobs bit for bit, finish reasons). ``FtkitError`` if the first run
+    compared streams with the first's as a serve scenario's oracle does (each completion's
+    token ids, logprobs bit for bit, finish reasons). ``FtkitError`` if the first run
     did not finish."""
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="ftkit-oracle-"))

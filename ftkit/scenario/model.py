@@ -266,7 +266,9 @@ class WorkloadSpec(_Strict):
     api: ServeApi = Field("completions",
                           description="with `engine.mode: serve`: the OpenAI API the clients "
                                       "call, `completions` (each prompt as the prompt) or "
-                                      "`chat` (each prompt as one user message)")
+                                      "`chat` (each prompt as one user message). vLLM streams "
+                                      "`prompt_logprobs` only with `completions`, with `n` 1, "
+                                      "and only 0 or as many as the request's `logprobs`")
     background_streams: int = Field(0, ge=0,
                                     description="with `engine.mode: serve`: extra streams "
                                                 "sent beside the requests, as load; their "

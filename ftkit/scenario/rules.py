@@ -17,8 +17,9 @@ reproduced (every randomly sampled request has a seed); and, with recovery on,
 parallelism, speculative decoding, asynchronous scheduling). Last, the serving rules
 (``_serve_problems``): ``workload.api`` and ``workload.background_streams`` need
 ``engine.mode: serve``; a serve scenario runs with recovery on (its server replaces the engine
-once per fault that kills a process) and asks for no field its streaming clients do not
-compare (``n``, ``logprobs``, ``prompt_logprobs``).
+once per fault that kills a process) and asks for nothing its streams cannot carry as the
+offline mode records it (``unstreamable``: prompt logprobs with the chat
+API, with ``n > 1``, or other than 0 or the request's own ``logprobs``).
 """
 
 from __future__ import annotations
@@ -324,15 +325,6 @@ def _bounds_problems(scenario: Scenario) -> list[Problem]:
     return found
 
 
-#: Sampling fields a serve scenario's clients cannot compare: a stream carries one completion
-#: and the sampled token's logprob (``ftkit.runner.serve``).
-_SERVE_UNCOMPARED = {
-    "n": "each stream carries one completion",
-    "logprobs": "the clients compare the sampled token's logprob only",
-    "prompt_logprobs": "the streams carry no prompt logprobs",
-}
-
-
 def _serve_problems(scenario: Scenario) -> list[Problem]:
     """The rules of ``engine.mode: serve`` (and of its fields in an offline scenario)."""
     workload = scenario.workload
@@ -346,13 +338,67 @@ def _serve_problems(scenario: Scenario) -> list[Problem]:
                       "a serve scenario plans its faults through the server's injection "
                       "route, which needs recovery on: set recovery.enabled true (or "
                       "engine.mode offline)"))
+    from ftkit.vllm import sampling as vllm_sampling
+
     spec = scenario.sampling_spec()
+    given = scenario.engine.args.get("max_logprobs")
+    max_logprobs = given if isinstance(given, int) and not isinstance(given, bool) else None
+    if max_logprobs is None and workload.api == "chat" and any(
+            int(spec.for_request(i).get("logprobs") or 0) > 0
+            for i in range(workload.prompt_count())):
+        max_logprobs = vllm_sampling.default_max_logprobs()
     for index in range(workload.prompt_count()):
-        kwargs = spec.for_request(index)
-        for name, why in _SERVE_UNCOMPARED.items():
-            if kwargs.get(name) not in (None, 1 if name == "n" else None):
-                problem = (_where_set(workload, index, name),
-                           f"{name} is not supported with engine.mode serve: {why}")
-                if problem not in found:
-                    found.append(problem)
+        refused = unstreamable(workload.api, spec.for_request(index), max_logprobs)
+        if refused is not None:
+            name, why = refused
+            problem = (_where_set(workload, index, name),
+                       f"{name} is not supported with engine.mode serve and api "
+                       f"{workload.api}: {why}")
+            if problem not in found:
+                found.append(problem)
     return found
+
+
+def unstreamable(api: str, sampling: dict[str, Any],
+                 max_logprobs: int | None = None) -> tuple[str, str] | None:
+    """The sampling field of a request that a stream of ``api`` cannot return as the offline
+    mode records it, and why; ``None`` when every field can be. ``max_logprobs``: the
+    server's bound on the logprobs asked for (vLLM's ``--max-logprobs``, -1 for the whole
+    vocabulary; ``None``: unknown).
+
+    Both APIs refuse ``prompt_logprobs`` above 0 with ``stream: true``, and their stream
+    chunks have no field for them: only the completions API's ``echo`` streams them, in the
+    prompt's positions of its first chunk of each choice, counted by the request's
+    ``logprobs`` (vLLM asks the engine for ``prompt_logprobs = logprobs`` when ``echo`` is
+    set and ``prompt_logprobs`` is not), or explicitly 0; and not for a request with
+    ``n > 1``, whose completions' outputs vLLM merges, dropping all but the first's prompt
+    logprobs, when the client reads slower than the engine produces. The chat API asks the
+    engine for one more top logprob than the scenario (``ftkit.runner.serve.request_arguments``
+    says why)."""
+    top = int(sampling.get("logprobs") or 0)
+    prompt = sampling.get("prompt_logprobs")
+    if api == "chat":
+        if prompt is not None:
+            return ("prompt_logprobs", "vLLM's chat API streams no prompt logprobs (it refuses "
+                                       "prompt_logprobs above 0 with stream true, and no chunk "
+                                       "carries them): use workload.api completions")
+        if top > 0 and max_logprobs is not None and max_logprobs != -1 \
+                and top + 1 > max_logprobs:
+            return ("logprobs", f"the chat API leaves out rank {top} when the sampled token "
+                                f"is outside the top {top}, so ftkit asks the server for "
+                                f"{top + 1}, above its max_logprobs ({max_logprobs}): raise "
+                                f"engine.args.max_logprobs or use workload.api completions")
+        return None
+    if prompt is not None and int(sampling.get("n") or 1) > 1:
+        return ("prompt_logprobs", "vLLM's stream loses a completion's prompt logprobs when a "
+                                   "request has n > 1: it merges the outputs of its completions "
+                                   "that the client has not read yet and keeps the first one's "
+                                   "prompt logprobs only (vllm/outputs.py, RequestOutput.add), "
+                                   "and the echo of the next completion then fails: give n 1 "
+                                   "or no prompt_logprobs")
+    if prompt not in (None, 0) and top > 0 and prompt != top:
+        return ("prompt_logprobs", f"vLLM streams prompt logprobs only by echoing the prompt, "
+                                   f"with as many top logprobs as the request's logprobs "
+                                   f"({top}), and refuses prompt_logprobs above 0 with stream "
+                                   f"true: set prompt_logprobs to 0 or {top}")
+    return None

@@ -47,6 +47,15 @@ def refusal(kwargs: dict[str, Any]) -> Refusal | None:
     return None
 
 
+def default_max_logprobs() -> int | None:
+    """vLLM's default bound on the logprobs a request may ask for (``--max-logprobs``)."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return None
+    return int(EngineArgs.max_logprobs)
+
+
 def _sampling_params() -> Any:
     try:
         from vllm.sampling_params import SamplingParams
