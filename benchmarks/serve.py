@@ -19,13 +19,19 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
 * Then SIGKILL of the serving engine's ``Worker_TP1`` while the streams run (``cold``: the
   ``faults`` server replaces its engine with a new one), and the same on a server with
   ``{"enabled": true, "injection": true, "max_restarts": 1, "standby": true}`` (``standby``:
-  the warm standby takes over). The kill is timed on the server's own progress: a
-  ``process_kill`` planned through the injection route for rank 1, 30 of the server's steps
-  after every client had sent its request (the worker SIGKILLs itself there; its
-  ``FaultFired`` event gives the kill's time). A kill timed on what the clients had read came after the streams had finished
-  at the engine (the clients share the two cores and read seconds late), and vLLM's
-  ``vllm:generation_tokens_total`` moves in batches, reaching a run's tokens only after the
-  clients had them all. Reported, from the kill until every stream the server resumed had its
+  the warm standby takes over). The kill is timed on the server's own progress, with every
+  stream at the same point: the engine is paused (vLLM's development route ``POST
+  /pause?mode=keep``, on these two servers only) until the server logged every request
+  received, then a ``process_kill`` is planned through the injection route for rank 1,
+  ``KILL_AFTER_STEPS`` of the server's steps on, and the engine resumes (``POST /resume``):
+  the worker SIGKILLs itself there, every stream ``KILL_AFTER_STEPS`` tokens in; its
+  ``FaultFired`` event gives the kill's time. A kill timed on what the clients had read came
+  after the streams had finished at the engine (the clients share the two cores and read
+  seconds late), and vLLM's ``vllm:generation_tokens_total`` moves in batches, reaching a
+  run's tokens only after the clients had them all; without the pause, the starved clients
+  sent their requests up to 25 s apart, and the streams had different lengths at the kill
+  (a resumed stream's prompt, the tokens it had, is computed again on the new engine: its
+  cost on the CPU grows faster than its length). Reported, from the kill until every stream the server resumed had its
   first output from the new engine: on the server (ftkit's ``RequestResumed`` events, written
   as that output goes into the stream; the targets are checked on this), and at the clients
   (the new engine's first token read: tokens made before the kill but read after it do not
@@ -54,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,8 +71,8 @@ import psutil
 from benchmarks.common import REPO, SETTLE_S, prompts, settle, tiny_model
 from benchmarks.stats import fmt_summary, markdown_table, paired_ratios, summarize
 from ftkit import (CONFIG_KEY, INJECT_SECRET_ENV, FaultFired, RequestResumed, Scenario,
-                   ScenarioServer, Stream, inject_live_fault, load_scenario, only, read_events,
-                   server_options, stream_one)
+                   ScenarioServer, Stream, StreamedCompletion, inject_live_fault, load_scenario,
+                   only, read_events, server_options, stream_one)
 
 SCENARIO = REPO / "scenarios" / "serve_link_flap.yaml"
 #: Long enough for the kill streams (prompt + tokens), small enough to start fast.
@@ -78,15 +85,17 @@ FAULT_TOKEN = 8
 FAULT_REQUEST = 1
 #: The kill: the serving engine's rank 1 (its ``Worker_TP1``) kills itself with SIGKILL
 #: (a ``process_kill`` planned through the injection route) this many of the server's steps
-#: after every client had sent its request: timed on the server's own progress. The clients
-#: share the two cores with the engine and the server and are starved: measured, three of
-#: six clients sent their requests 7 s after the release, and a stream's 1200 tokens reached
-#: its client within the last half second of a 23 s run. A kill timed on what they read came
-#: after the streams had finished at the engine; one timed on the first stream's tokens
-#: found the others not yet sent; one planned for the last-sent stream's token came after
-#: that token (the plan itself left the starved client late).
+#: after it resumed with every stream's request in (paused until then): timed on the server's
+#: own progress. The clients share the two cores with the engine and the server and are
+#: starved: measured, three of six clients sent their requests 7 s after the release, and a
+#: stream's 1200 tokens reached its client within the last half second of a 23 s run. A kill
+#: timed on what they read came after the streams had finished at the engine; one timed on
+#: the first stream's tokens found the others not yet sent; one planned for the last-sent
+#: stream's token came after that token (the plan itself left the starved client late).
 KILL_RANK = 1
-KILL_AFTER_STEPS = 30
+KILL_AFTER_STEPS = 100
+#: What vLLM's server logs for each request it received (``--enable-log-requests``).
+RECEIVED_LOG = "Received request "
 RUN_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0
 #: What the server logs (ftkit.vllm.restart, ftkit's injector).
@@ -271,7 +280,7 @@ class BenchServer(ScenarioServer):
     given (the ranks' event log in the server's folder) in place of the scenario's."""
 
     def __init__(self, scenario: Scenario, model_dir: str, work: Path,
-                 fault_tolerance: dict[str, Any]) -> None:
+                 fault_tolerance: dict[str, Any], pausable: bool = False) -> None:
         from ftkit import plan_serve
 
         work.mkdir(parents=True)
@@ -285,6 +294,9 @@ class BenchServer(ScenarioServer):
         options.append("--no-async-scheduling")  # as recovery needs it, on both sides
         environ = {**os.environ, INJECT_SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1",
                    "TMPDIR": str(work / "tmp")}
+        if pausable:  # the kill's servers: /pause and /resume, and each request logged
+            options.append("--enable-log-requests")
+            environ["VLLM_SERVER_DEV_MODE"] = "1"
         self.launch = plan_serve(model_dir, options, environ, python=sys.executable)
         self.start_s: float | None = None
         self.watch: LogWatch | None = None
@@ -323,6 +335,23 @@ class BenchServer(ScenarioServer):
                 raise RuntimeError(f"the server did not log {line!r} in time")
             time.sleep(0.1)
 
+    def post(self, path: str) -> None:
+        """``POST path`` (vLLM's development routes); ``RuntimeError`` unless it answers 200."""
+        request = urllib.request.Request(self.url + path, method="POST")
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            if answer.status != 200:
+                raise RuntimeError(f"POST {path}: {answer.status}")
+
+    def wait_received(self, tag: str, count: int, deadline: float) -> None:
+        """Wait until the server logged the requests ``<tag>-0 .. <tag>-<count - 1>``
+        received."""
+        wanted = {f"{tag}-{i}" for i in range(count)}
+        received = re.compile(re.escape(RECEIVED_LOG) + r"\S*?(" + re.escape(tag) + r"-\d+)")
+        while not wanted <= set(received.findall(self.text())):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not receive every {tag} request in time")
+            time.sleep(0.1)
+
     def engines(self) -> list[list[psutil.Process]]:
         """Each engine's processes (its engine core and everything below it), oldest first."""
         root = psutil.Process(self.process.pid)
@@ -343,8 +372,9 @@ def _named(proc: psutil.Process, name: str) -> bool:
 
 @contextlib.contextmanager
 def serving(work: Path, label: str, fault_tolerance: dict[str, Any],
-            scenario: Scenario, model_dir: str) -> Iterator[BenchServer]:
-    server = BenchServer(scenario, model_dir, work / label, fault_tolerance)
+            scenario: Scenario, model_dir: str, pausable: bool = False
+            ) -> Iterator[BenchServer]:
+    server = BenchServer(scenario, model_dir, work / label, fault_tolerance, pausable)
     try:
         print(f"serve: starting the {label} server", flush=True)
         server.start(time.monotonic() + START_TIMEOUT_S)
@@ -356,6 +386,11 @@ def serving(work: Path, label: str, fault_tolerance: dict[str, Any],
 
 # --- the clients ------------------------------------------------------------------------------
 
+def first(stream: Stream) -> StreamedCompletion:
+    """A bench stream's one completion (``n`` 1)."""
+    return stream.completions[0]
+
+
 @dataclass
 class Driven:
     streams: list[Stream]
@@ -365,10 +400,10 @@ class Driven:
     released_wall: float = 0.0
 
     def times(self) -> list[list[float]]:
-        return [s.token_times for s in self.streams]
+        return [first(s).token_times for s in self.streams]
 
     def outputs(self) -> list[tuple[list[int], list[float]]]:
-        return [(s.token_ids, s.logprobs) for s in self.streams]
+        return [(first(s).token_ids, first(s).logprobs) for s in self.streams]
 
     def errors(self) -> list[str]:
         return [s.error for s in self.streams if s.error is not None]
@@ -472,13 +507,21 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     ups_before = len(server.watch.seen[ENGINE_UP_LOG])
 
     def kill() -> None:
-        # Planned on the server's own progress once every request was sent: the serving
-        # engine's Worker_TP1 kills itself (SIGKILL) KILL_AFTER_STEPS steps on.
+        # Planned on the server's own progress once the paused engine has every request:
+        # the serving engine's Worker_TP1 kills itself (SIGKILL) KILL_AFTER_STEPS steps
+        # after it resumed.
+        server.wait_received("kill-run", len(texts), time.monotonic() + RUN_TIMEOUT_S)
+        time.sleep(0.5)  # (each handed to the paused engine)
         inject_live_fault(server.url, {
             "kind": "process_kill", "rank": KILL_RANK, "phase": "forward", "times": 1,
             "params": {}, "after_steps": KILL_AFTER_STEPS}, server.secret)
+        server.post("/resume")
 
-    run = drive(server, model, "kill-run", texts, plan.kill_tokens, during=kill)
+    server.post("/pause?mode=keep")
+    try:
+        run = drive(server, model, "kill-run", texts, plan.kill_tokens, during=kill)
+    finally:
+        server.post("/resume")  # (no-op when resumed; a failed kill leaves it serving)
     time.sleep(0.2)  # the server's last lines
     text = server.text()
     fired = [e for e in only(read_events(server.event_log_dir), FaultFired)
@@ -491,13 +534,12 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
                  server_resume_delays(killed_at, server.resumed_events(), "kill-run"))
     running = [] if kill_at is None else [
         i for i, s in enumerate(run.streams)
-        if sum(1 for t in s.token_times if t <= kill_at) < plan.kill_tokens]
+        if sum(1 for t in first(s).token_times if t <= kill_at) < plan.kill_tokens]
     delays = [] if kill_at is None else resume_delays(kill_at, run.times(), by_server)
     resumed = [d for d in delays if d is not None]
     complete = [i for i, s in enumerate(run.streams) if s.error is None
-                and len(s.token_ids) == plan.kill_tokens]
-    differ = [i for i in complete if (run.streams[i].token_ids, run.streams[i].logprobs)
-              != (reference.streams[i].token_ids, reference.streams[i].logprobs)]
+                and len(first(s).token_ids) == plan.kill_tokens]
+    differ = [i for i in complete if run.outputs()[i] != reference.outputs()[i]]
     found = NEW_ENGINE_LOG.findall(text)
     ups = server.watch.seen[ENGINE_UP_LOG][ups_before:]
     print(f"serve: {'standby' if standby else 'cold'} kill: "
@@ -599,14 +641,15 @@ def run(quick: bool = False) -> dict[str, Any]:
             result["throughput"] = measure_throughput(
                 {"on": (on_server, on_server.model()),
                  "off": (off_server, off_server.model())}, plan)
-        with serving(work, "faults", faults, scenario, model_dir) as f_server:
+        with serving(work, "faults", faults, scenario, model_dir, pausable=True) as f_server:
             starts["faults"] = f_server.start_s
             engines["faults"] = f_server.engine_starts()[:1]
             model = f_server.model()
             result["faults"] = measure_faults(f_server, model, plan)
             settle()
             result["kills"] = [measure_kill(f_server, model, plan, standby=False)]
-        with serving(work, "standby", standby, scenario, model_dir) as sb_server:
+        with serving(work, "standby", standby, scenario, model_dir,
+                     pausable=True) as sb_server:
             starts["standby"] = sb_server.start_s
             sb_server.wait_for(STANDBY_READY_LOG, time.monotonic() + START_TIMEOUT_S)
             # The serving engine's start, then the standby's (begun once the first was up).

@@ -199,9 +199,9 @@ class RestartingEngine:
     async def _end_dead_behind(self, dead: Any) -> None:
         """End ``dead`` once each request it served has had an output from the new engine
         (or ended), at most ``DEAD_ENGINE_GRACE_S`` after the takeover. Ending an engine
-        costs CPU (the kernel frees its workers' memory, its engine core shuts down): done
-        at once beside a standby on two cores, it delayed the resumed streams' first
-        outputs by about a second."""
+        costs CPU (the kernel frees its processes' memory): done at once beside a standby on
+        two cores, it delayed the resumed streams' first outputs by about a second (measured
+        while the dead engine's core still shut itself down)."""
         deadline = time.monotonic() + DEAD_ENGINE_GRACE_S
         served = [s for s in self._requests if s.engine is dead]
         while time.monotonic() < deadline and any(
