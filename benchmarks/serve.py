@@ -539,7 +539,8 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     resumed = [d for d in delays if d is not None]
     complete = [i for i, s in enumerate(run.streams) if s.error is None
                 and len(first(s).token_ids) == plan.kill_tokens]
-    differ = [i for i in complete if run.outputs()[i] != reference.outputs()[i]]
+    ran, expected = run.outputs(), reference.outputs()
+    differ = [i for i in complete if ran[i] != expected[i]]
     found = NEW_ENGINE_LOG.findall(text)
     ups = server.watch.seen[ENGINE_UP_LOG][ups_before:]
     print(f"serve: {'standby' if standby else 'cold'} kill: "

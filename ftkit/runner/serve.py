@@ -291,14 +291,15 @@ def drive(base_url: str, model: str, scenario: Scenario, tag: str,
     workload = scenario.workload
     prompts = scenario.prompts()
     spec = scenario.sampling_spec()
+    per_request = [spec.for_request(i) for i in range(len(prompts))]
     jobs: list[tuple[str, str, dict[str, Any], Stream]] = [
-        (f"{tag}-{i}", prompt, spec.for_request(i), Stream.of(i, spec.for_request(i)))
+        (f"{tag}-{i}", prompt, per_request[i], Stream.of(i, per_request[i]))
         for i, prompt in enumerate(prompts)]
     # Background streams: the workload's prompts and sampling, in turn.
     for j in range(workload.background_streams):
         i = j % len(prompts)
-        jobs.append((f"{tag}-{BACKGROUND_PREFIX}{j}", prompts[i], spec.for_request(i),
-                     Stream.of(i, spec.for_request(i), background=True)))
+        jobs.append((f"{tag}-{BACKGROUND_PREFIX}{j}", prompts[i], per_request[i],
+                     Stream.of(i, per_request[i], background=True)))
     start = threading.Event()
     t0 = [time.monotonic()]
     threads = [threading.Thread(target=stream_one, daemon=True,
