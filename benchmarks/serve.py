@@ -6,9 +6,17 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
 ``scenarios/serve_link_flap.yaml``), differing only in their ``fault_tolerance`` settings:
 
 * ``off`` ``{"enabled": false}`` and ``on`` ``{"enabled": true}``, both up at once: the
-  same workload on each in turn, ``repeats`` times (alternating which goes first); tokens per
-  second = tokens streamed / seconds from the release of the streams to the last token, the
-  ratio on/off per repeat.
+  same workload on each in turn, ``repeats`` times (alternating which goes first), every
+  stream released into the paused engine at once (``drive_paused``); tokens per second in
+  the engine (vLLM's own series on ``/metrics``: tokens generated, per second of the
+  requests' mean time from first scheduled to last token; the target is checked on this) and
+  at the clients (tokens read / seconds from the release to the last token read), the ratio
+  on/off per repeat. The clients read slower than the engine makes tokens (the API server
+  and the clients share the two cores with it: measured, 16 streams of 128 tokens, the
+  clients read 660-1090 tokens/s while the engine made 1500-2630), so their rate is the
+  clients' and the server's front end's (its on/off ratio spread 0.73-2.24 over five
+  repeats of an earlier run, released unpaused). A run is 16 streams of 512 tokens: of
+  128, a run was about a second in the engine, and the engine's ratio spread 0.77-1.47.
 * On a ``faults`` server ``{"enabled": true, "injection": true, "max_restarts": 1}``, per
   fault kind, one fault planned through the injection route
   (``POST /ftkit/inject`` with the secret, what ``ftkit inject`` sends) for one client's
@@ -21,7 +29,7 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
   ``{"enabled": true, "injection": true, "max_restarts": 1, "standby": true}`` (``standby``:
   the warm standby takes over). The kill is timed on the server's own progress, with every
   stream at the same point: the engine is paused (vLLM's development route ``POST
-  /pause?mode=keep``, on these two servers only) until the server logged every request
+  /pause?mode=keep``) until the server logged every request
   received, then a ``process_kill`` is planned through the injection route for rank 1,
   ``KILL_AFTER_STEPS`` of the server's steps on, and the engine resumes (``POST /resume``):
   the worker SIGKILLs itself there, every stream ``KILL_AFTER_STEPS`` tokens in; its
@@ -103,7 +111,9 @@ RESTART_LOG = "ftkit: this server replaces a dead engine"
 STANDBY_READY_LOG = "ftkit: the standby engine is ready"
 #: What vLLM's engine core logs once it is up (after this, only its handshake).
 ENGINE_UP_LOG = "init engine (profile, create kv cache, warmup model) took"
-WATCHED_LOGS = (RESTART_LOG, ENGINE_UP_LOG, STANDBY_READY_LOG)
+#: What the server logs as a cold replacement starts its new engine (the dead one ended).
+COLD_START_LOG = "ftkit: the dead engine ended in"
+WATCHED_LOGS = (RESTART_LOG, ENGINE_UP_LOG, STANDBY_READY_LOG, COLD_START_LOG)
 NEW_ENGINE_LOG = re.compile(r"ftkit: the new engine serves after ([0-9.]+) s")
 FIRED_LOG = re.compile(r"ftkit: injecting (\w+) on rank (\d+)")
 RESUMED_LOG = re.compile(r"ftkit: resuming request (\S+) on the new engine after (\d+) token")
@@ -135,9 +145,9 @@ FAULTS = (
 
 @dataclass(frozen=True)
 class Plan:
-    repeats: int = 5
+    repeats: int = 7
     streams: int = 16
-    max_tokens: int = 128
+    max_tokens: int = 512
     fault_streams: int = 8
     fault_tokens: int = 48
     faults: tuple[str, ...] = tuple(f.name for f in FAULTS)
@@ -158,6 +168,43 @@ def tokens_per_s(token_times: Sequence[Sequence[float]]) -> float | None:
     count = sum(len(t) for t in token_times)
     last = max((t[-1] for t in token_times if t), default=0.0)
     return count / last if count and last > 0 else None
+
+
+#: vLLM's Prometheus series the engine-side tokens per second is computed from: tokens the
+#: engine generated, and each finished request's time from its first scheduling to its last
+#: token (engine-core timestamps, taken as the engine makes the outputs: they do not depend
+#: on how fast the clients read).
+GENERATED = "vllm:generation_tokens_total"
+INFERENCE_SUM = "vllm:request_inference_time_seconds_sum"
+INFERENCE_COUNT = "vllm:request_inference_time_seconds_count"
+ENGINE_SERIES = (GENERATED, INFERENCE_SUM, INFERENCE_COUNT)
+
+
+def metric_totals(text: str, names: Sequence[str] = ENGINE_SERIES) -> dict[str, float]:
+    """Each of ``names`` from a Prometheus text page, summed over its label sets (0 where
+    the page has none)."""
+    totals = {name: 0.0 for name in names}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        if name in totals:
+            totals[name] += float(value)
+    return totals
+
+
+def engine_tokens_per_s(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Tokens the engine generated between two readings of its series, per second of the
+    finished requests' mean inference time (first scheduled to last token). With every
+    request of a run released into the engine at once, of one length, the mean is the
+    run's time in the engine."""
+    tokens = after[GENERATED] - before[GENERATED]
+    count = after[INFERENCE_COUNT] - before[INFERENCE_COUNT]
+    seconds = after[INFERENCE_SUM] - before[INFERENCE_SUM]
+    if tokens <= 0 or count <= 0 or seconds <= 0:
+        return None
+    return tokens / (seconds / count)
 
 
 def largest_gap(token_times: Sequence[Sequence[float]]) -> float | None:
@@ -196,6 +243,22 @@ def resume_delays(kill_at: float, token_times: Sequence[Sequence[float]],
         times = token_times[i]
         delays.append(times[delivered] - kill_at if delivered < len(times) else None)
     return delays
+
+
+def resume_gaps(kill_at: float, token_times: Sequence[Sequence[float]],
+                resumed: dict[int, int]) -> tuple[float | None, float | None]:
+    """What the clients saw of a kill, over the streams the server resumed after at least one
+    token: the largest gap between a stream's last token of the dead engine and its first of
+    the new one, as read; and the latest a client read its last token of the dead engine,
+    from the kill (above 0: the client was that far behind the server when the engine
+    died, and read the backlog it had while the new engine started)."""
+    gaps, late = [], []
+    for i, delivered in resumed.items():
+        times = token_times[i]
+        if 0 < delivered < len(times):
+            gaps.append(times[delivered] - times[delivered - 1])
+            late.append(times[delivered - 1] - kill_at)
+    return (max(gaps) if gaps else None), (max(late) if late else None)
 
 
 def server_resume_delays(kill_at: float, events: Sequence[RequestResumed], tag: str
@@ -280,7 +343,7 @@ class BenchServer(ScenarioServer):
     given (the ranks' event log in the server's folder) in place of the scenario's."""
 
     def __init__(self, scenario: Scenario, model_dir: str, work: Path,
-                 fault_tolerance: dict[str, Any], pausable: bool = False) -> None:
+                 fault_tolerance: dict[str, Any]) -> None:
         from ftkit import plan_serve
 
         work.mkdir(parents=True)
@@ -294,9 +357,10 @@ class BenchServer(ScenarioServer):
         options.append("--no-async-scheduling")  # as recovery needs it, on both sides
         environ = {**os.environ, INJECT_SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1",
                    "TMPDIR": str(work / "tmp")}
-        if pausable:  # the kill's servers: /pause and /resume, and each request logged
-            options.append("--enable-log-requests")
-            environ["VLLM_SERVER_DEV_MODE"] = "1"
+        # vLLM's development routes /pause and /resume, and each request received logged
+        # (``drive_paused``).
+        options.append("--enable-log-requests")
+        environ["VLLM_SERVER_DEV_MODE"] = "1"
         self.launch = plan_serve(model_dir, options, environ, python=sys.executable)
         self.start_s: float | None = None
         self.watch: LogWatch | None = None
@@ -342,6 +406,25 @@ class BenchServer(ScenarioServer):
             if answer.status != 200:
                 raise RuntimeError(f"POST {path}: {answer.status}")
 
+    def engine_series(self) -> dict[str, float]:
+        """``ENGINE_SERIES`` from the server's ``/metrics`` now."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as answer:
+            return metric_totals(answer.read().decode())
+
+    def engine_series_after(self, before: dict[str, float], finished: int,
+                            deadline: float) -> dict[str, float]:
+        """``ENGINE_SERIES`` once ``finished`` more requests than at ``before`` were counted
+        (the server records a request's statistics as it finishes it: by then its client
+        may have read its last token); ``RuntimeError`` past ``deadline``."""
+        while True:
+            now = self.engine_series()
+            if now[INFERENCE_COUNT] - before[INFERENCE_COUNT] >= finished:
+                return now
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server counted {now[INFERENCE_COUNT]} finished "
+                                   f"requests, not {before[INFERENCE_COUNT] + finished}")
+            time.sleep(0.1)
+
     def wait_received(self, tag: str, count: int, deadline: float) -> None:
         """Wait until the server logged the requests ``<tag>-0 .. <tag>-<count - 1>``
         received."""
@@ -372,9 +455,8 @@ def _named(proc: psutil.Process, name: str) -> bool:
 
 @contextlib.contextmanager
 def serving(work: Path, label: str, fault_tolerance: dict[str, Any],
-            scenario: Scenario, model_dir: str, pausable: bool = False
-            ) -> Iterator[BenchServer]:
-    server = BenchServer(scenario, model_dir, work / label, fault_tolerance, pausable)
+            scenario: Scenario, model_dir: str) -> Iterator[BenchServer]:
+    server = BenchServer(scenario, model_dir, work / label, fault_tolerance)
     try:
         print(f"serve: starting the {label} server", flush=True)
         server.start(time.monotonic() + START_TIMEOUT_S)
@@ -440,12 +522,38 @@ def drive(server: BenchServer, model: str, tag: str, texts: list[str], max_token
     return Driven(streams, any(t.is_alive() for t in threads), released_wall)
 
 
+def drive_paused(server: BenchServer, model: str, tag: str, texts: list[str], max_tokens: int,
+                 before_resume: Callable[[], None] | None = None) -> Driven:
+    """``drive`` with the engine paused (vLLM's development route ``POST /pause?mode=keep``,
+    every bench server has it) until the server logged every stream's request received, so
+    that every stream goes into the engine at once, whenever its starved client sent it;
+    ``before_resume()`` runs then, just before ``POST /resume``."""
+
+    def release() -> None:
+        server.wait_received(tag, len(texts), time.monotonic() + RUN_TIMEOUT_S)
+        time.sleep(0.5)  # (each handed to the paused engine)
+        if before_resume is not None:
+            before_resume()
+        server.post("/resume")
+
+    server.post("/pause?mode=keep")
+    try:
+        return drive(server, model, tag, texts, max_tokens, during=release)
+    finally:
+        server.post("/resume")  # (no-op when resumed)
+
+
 # --- 1. tokens per second, recovery on and off ------------------------------------------------
 
 def measure_throughput(servers: dict[str, tuple[BenchServer, str]], plan: Plan
                        ) -> dict[str, Any]:
+    """Each repeat, the same streams on each server in turn, released into its paused engine
+    at once (``drive_paused``): tokens per second in the engine (``engine_tokens_per_s``,
+    from vLLM's own series: the target is checked on these) and as the clients read them
+    (from the release to the last token read)."""
     texts = prompts(plan.streams)
     per_side: dict[str, list[float]] = {name: [] for name in servers}
+    in_engine: dict[str, list[float]] = {name: [] for name in servers}
     failures: dict[str, int] = {name: 0 for name in servers}
     names = list(servers)
     for name, (server, model) in servers.items():  # warm each server up once
@@ -454,13 +562,22 @@ def measure_throughput(servers: dict[str, tuple[BenchServer, str]], plan: Plan
         for name in names if r % 2 == 0 else names[::-1]:
             server, model = servers[name]
             settle()
-            run = drive(server, model, f"tps-{name}-{r}", texts, plan.max_tokens)
+            before = server.engine_series()
+            run = drive_paused(server, model, f"tps-{name}-{r}", texts, plan.max_tokens)
+            after = server.engine_series_after(before, len(texts),
+                                               time.monotonic() + RUN_TIMEOUT_S)
             failures[name] += len(run.errors()) + int(run.timed_out)
             rate = tokens_per_s(run.times())
+            engine_rate = engine_tokens_per_s(before, after)
             per_side[name].append(rate or 0.0)
-            print(f"serve: {name} repeat {r}: {rate or 0:.0f} tokens/s", flush=True)
+            in_engine[name].append(engine_rate or 0.0)
+            print(f"serve: {name} repeat {r}: {engine_rate or 0:.0f} tokens/s in the engine, "
+                  f"{rate or 0:.0f} read by the clients", flush=True)
     ratios = paired_ratios(per_side["on"], per_side["off"])
-    return {"tokens_per_s": per_side, "ratios": ratios, "failed_streams": failures,
+    engine_ratios = paired_ratios(in_engine["on"], in_engine["off"])
+    return {"engine_tokens_per_s": in_engine, "engine_ratios": engine_ratios,
+            "engine_ratio_spread": spread(engine_ratios),
+            "tokens_per_s": per_side, "ratios": ratios, "failed_streams": failures,
             "ratio_spread": spread(ratios)}
 
 
@@ -505,23 +622,17 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     settle()
     assert server.watch is not None
     ups_before = len(server.watch.seen[ENGINE_UP_LOG])
+    cold_before = len(server.watch.seen[COLD_START_LOG])
 
     def kill() -> None:
         # Planned on the server's own progress once the paused engine has every request:
         # the serving engine's Worker_TP1 kills itself (SIGKILL) KILL_AFTER_STEPS steps
         # after it resumed.
-        server.wait_received("kill-run", len(texts), time.monotonic() + RUN_TIMEOUT_S)
-        time.sleep(0.5)  # (each handed to the paused engine)
         inject_live_fault(server.url, {
             "kind": "process_kill", "rank": KILL_RANK, "phase": "forward", "times": 1,
             "params": {}, "after_steps": KILL_AFTER_STEPS}, server.secret)
-        server.post("/resume")
 
-    server.post("/pause?mode=keep")
-    try:
-        run = drive(server, model, "kill-run", texts, plan.kill_tokens, during=kill)
-    finally:
-        server.post("/resume")  # (no-op when resumed; a failed kill leaves it serving)
+    run = drive_paused(server, model, "kill-run", texts, plan.kill_tokens, before_resume=kill)
     time.sleep(0.2)  # the server's last lines
     text = server.text()
     fired = [e for e in only(read_events(server.event_log_dir), FaultFired)
@@ -537,12 +648,15 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
         if sum(1 for t in first(s).token_times if t <= kill_at) < plan.kill_tokens]
     delays = [] if kill_at is None else resume_delays(kill_at, run.times(), by_server)
     resumed = [d for d in delays if d is not None]
+    gap, behind = (None, None) if kill_at is None else resume_gaps(kill_at, run.times(),
+                                                                     by_server)
     complete = [i for i, s in enumerate(run.streams) if s.error is None
                 and len(first(s).token_ids) == plan.kill_tokens]
     ran, expected = run.outputs(), reference.outputs()
     differ = [i for i in complete if ran[i] != expected[i]]
     found = NEW_ENGINE_LOG.findall(text)
     ups = server.watch.seen[ENGINE_UP_LOG][ups_before:]
+    cold_starts = server.watch.seen[COLD_START_LOG][cold_before:]
     print(f"serve: {'standby' if standby else 'cold'} kill: "
           f"{'fired' if fired else 'NOT fired'}, {len(resumed)}/{len(delays)} "
           f"resumed, slowest {max(resumed) if resumed else None} at the clients, "
@@ -558,6 +672,9 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
                               else None),
             "resumed_by_server": len(delays),
             "slowest_resumed_s": max(resumed) if resumed else None,
+            # The largest gap a client read across the resume, and how far behind the
+            # server the clients were at the kill (``resume_gaps``).
+            "client_resume_gap_s": gap, "clients_behind_s": behind,
             # The same on the server: every resumed stream's first output from the new
             # engine sent (the target's measure).
             "server_resumed": len(on_server),
@@ -570,7 +687,11 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
             "server_restart_s": float(found[-1]) if found else None,
             # A cold replacement's engine core up (in the log), after the kill.
             "new_engine_up_s": (ups[0] - killed_at if ups and killed_at is not None
-                                and not standby else None)}
+                                and not standby else None),
+            # The cold replacement's own engine start: from the line the server logs as it
+            # starts it (the dead engine ended) to its engine core's "up" line.
+            "replacement_start_s": (ups[0] - cold_starts[0] if ups and cold_starts
+                                    and not standby else None)}
 
 
 # --- 4. the standby's idle cost ---------------------------------------------------------------
@@ -642,15 +763,14 @@ def run(quick: bool = False) -> dict[str, Any]:
             result["throughput"] = measure_throughput(
                 {"on": (on_server, on_server.model()),
                  "off": (off_server, off_server.model())}, plan)
-        with serving(work, "faults", faults, scenario, model_dir, pausable=True) as f_server:
+        with serving(work, "faults", faults, scenario, model_dir) as f_server:
             starts["faults"] = f_server.start_s
             engines["faults"] = f_server.engine_starts()[:1]
             model = f_server.model()
             result["faults"] = measure_faults(f_server, model, plan)
             settle()
             result["kills"] = [measure_kill(f_server, model, plan, standby=False)]
-        with serving(work, "standby", standby, scenario, model_dir,
-                     pausable=True) as sb_server:
+        with serving(work, "standby", standby, scenario, model_dir) as sb_server:
             starts["standby"] = sb_server.start_s
             sb_server.wait_for(STANDBY_READY_LOG, time.monotonic() + START_TIMEOUT_S)
             # The serving engine's start, then the standby's (begun once the first was up).
@@ -675,15 +795,20 @@ def engine_start_s(engines: dict[str, list[float]]) -> float | None:
 
 def throughput_table(result: dict[str, Any]) -> str:
     t = result["throughput"]
-    on, off = summarize(t["tokens_per_s"]["on"]), summarize(t["tokens_per_s"]["off"])
-    ratio = summarize(t["ratios"])
     plan = result["plan"]
-    return markdown_table(
-        ["streams x tokens", "repeats", "off tokens/s", "on tokens/s", "on/off",
-         "failed streams (off/on)"],
-        [[f"{plan['streams']} x {plan['max_tokens']}", plan["repeats"], fmt_summary(off),
-          fmt_summary(on), fmt_summary(ratio, 3),
-          f"{t['failed_streams']['off']}/{t['failed_streams']['on']}"]])
+    rows = []
+    for where, rates, ratios in (("engine", "engine_tokens_per_s", "engine_ratios"),
+                                 ("clients", "tokens_per_s", "ratios")):
+        if rates not in t:  # (results from before the engine's series were read)
+            continue
+        rows.append([where, f"{plan['streams']} x {plan['max_tokens']}", plan["repeats"],
+                     fmt_summary(summarize(t[rates]["off"])),
+                     fmt_summary(summarize(t[rates]["on"])),
+                     fmt_summary(summarize(t[ratios]), 3),
+                     f"{t['failed_streams']['off']}/{t['failed_streams']['on']}"])
+    return markdown_table(["tokens/s measured in", "streams x tokens", "repeats",
+                           "off tokens/s", "on tokens/s", "on/off",
+                           "failed streams (off/on)"], rows)
 
 
 def fault_table(result: dict[str, Any]) -> str:
@@ -708,7 +833,9 @@ def kill_table(result: dict[str, Any]) -> str:
         rows.append([k["mode"], k["running_at_kill"],
                      f"{k['resumed']}/{k.get('resumed_by_server', k['resumed'])}",
                      _s(k.get("server_all_resumed_s")),
-                     _s(k["slowest_resumed_s"]), _s(k.get("new_engine_up_s")),
+                     _s(k["slowest_resumed_s"]), _s(k.get("client_resume_gap_s")),
+                     _s(k.get("clients_behind_s")), _s(k.get("new_engine_up_s")),
+                     _s(k.get("replacement_start_s")),
                      _s(k["server_restart_s"]),
                      k["failed_streams"],
                      f"{k['complete'] - len(k['differ'])}/{k['streams']}"])
@@ -724,7 +851,10 @@ def kill_table(result: dict[str, Any]) -> str:
                               "resumed streams with a new token / resumed by the server",
                               "kill to every resumed stream's next output, server s",
                               "kill to every resumed stream's next token, clients s",
-                              "kill to new engine up s", "server's replacement s", "failed streams",
+                              "largest gap across the resume, clients s",
+                              "clients behind the server at the kill s",
+                              "kill to new engine up s", "the new engine's own start s",
+                              "server's replacement s", "failed streams",
                               "complete and identical"], rows))
 
 
