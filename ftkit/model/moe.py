@@ -84,3 +84,20 @@ def build_tiny_moe_model(out: str | Path | None = None) -> Path:
     """Build the tiny MoE model (once, into the cache, without ``out``) and return its
     directory; atomic as ``build_tiny_model``."""
     return build_cached(TINY_MOE, recipe_digest(), _write_model, out)
+
+
+def is_moe_model(model: str) -> bool:
+    """Whether ``model`` is a local folder whose ``config.json`` names experts (Mixtral's
+    ``num_local_experts``, Qwen-MoE's ``num_experts``, DeepSeek's ``n_routed_experts``);
+    ``False`` for anything else (a model of a hub, a folder without one)."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    configs = [config, *(v for v in config.values() if isinstance(v, dict))]  # text_config
+    return any(int(c.get(key) or 0) > 1 for c in configs
+               for key in ("num_local_experts", "num_experts", "n_routed_experts")
+               if isinstance(c.get(key), (int, float)))

@@ -117,7 +117,26 @@ class EngineSpec(_Strict):
                                        description="further keyword arguments of vLLM's "
                                                    "`LLM`, passed through unchanged; they "
                                                    "override ftkit's own defaults (such as "
-                                                   "`enforce_eager: true`)")
+                                                   "`enforce_eager: true`). With recovery "
+                                                   "on, `data_parallel_size` above 1 only "
+                                                   "with `mode: serve` and a dense model "
+                                                   "(its replicas are served, each "
+                                                   "recovered on its own)")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The replicas ``args`` ask for (vLLM's ``data_parallel_size``; 1 when not given,
+        or not a positive integer: validation says so)."""
+        value = self.args.get("data_parallel_size", 1)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return value if ok else 1
+
+    @property
+    def ranks(self) -> int:
+        """Every rank a fault may name: the tensor-parallel ranks, times the replicas of a
+        server (rank ``r`` of replica ``i`` is ``i * tensor_parallel_size + r``)."""
+        replicas = self.data_parallel_size if self.mode == "serve" else 1
+        return self.tensor_parallel_size * replicas
 
 
 class RandomPrompts(_Strict):
@@ -331,7 +350,10 @@ class FaultSpec(_Strict):
     kind: FaultKind = Field(strict=False, description="the fault kind (`ftkit list`); it "
                                                       "decides which `params` apply")
     rank: Rank = Field(description='the rank that fails (from 0, below '
-                                   '`engine.tensor_parallel_size`), or "all"')
+                                   '`engine.tensor_parallel_size`), or "all" (every rank; '
+                                   'the only choice under a data-parallel server, whose load '
+                                   "balancer picks each request's replica: the fault fires "
+                                   "on the ranks of the replica serving its request)")
     at: FaultAt = Field(description="The engine step that computes output token `token` (0 = "
                                     "prefill) of `request`.")
     phase: Phase = Field("forward", description="where inside the step the fault fires: "

@@ -13,8 +13,9 @@ its ``params`` fit its kind (``ftkit.scenario.params``), and its kind's own rule
 killed once, a KV UCE hits a request that holds KV, ...); an expected recovery is possible
 (recovery enabled and ``times <= max_reinference``); expected identical tokens can be
 reproduced (every randomly sampled request has a seed); and, with recovery on,
-``engine.args`` turn on nothing that ftkit cannot recover (pipeline, data or expert
-parallelism, speculative decoding, asynchronous scheduling). Last, the serving rules
+``engine.args`` turn on nothing that ftkit cannot recover (pipeline or expert parallelism,
+data parallelism other than a dense model's replicas under a server, whose faults name rank
+``all``; speculative decoding, asynchronous scheduling). Last, the serving rules
 (``_serve_problems``): ``workload.api`` and ``workload.background_streams`` need
 ``engine.mode: serve``; a serve scenario runs with recovery on (its server replaces the engine
 once per fault that kills a process) and asks for nothing its streams cannot carry as the
@@ -133,14 +134,23 @@ def _where_set(workload: WorkloadSpec, index: int, name: str | None) -> Loc:
 
 def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Problem]:
     found: list[Problem] = []
-    world_size = scenario.engine.tensor_parallel_size
+    engine = scenario.engine
+    world_size = engine.ranks
     n_requests = scenario.workload.prompt_count()
     spec = kind_spec(fault.kind)
 
     # A scenario must never look as if it tested a fault that the injector would skip.
     if not spec.implemented:
         found.append((at + ("kind",), f"fault kind '{fault.kind}' is not implemented yet"))
-    if isinstance(fault.rank, int) and fault.rank >= world_size:
+    replicas = engine.data_parallel_size if engine.mode == "serve" else 1
+    if replicas > 1 and fault.rank != "all":
+        found.append((at + ("rank",), f"with {replicas} data-parallel replicas the server's "
+                                      f"load balancer, not the scenario, picks the replica "
+                                      f"of each request, so a fault for one rank may never "
+                                      f"meet its request: give rank all (the fault fires on "
+                                      f"the ranks of the replica that serves request "
+                                      f"{fault.at.request} only)"))
+    elif isinstance(fault.rank, int) and fault.rank >= world_size:
         found.append((at + ("rank",), f"rank {fault.rank} does not exist: the world size "
                                       f"(engine.tensor_parallel_size) is {world_size}"))
     # With no prompt source the workload rule already speaks; don't pile on.
@@ -250,8 +260,9 @@ _UNRECOVERABLE_ARGS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
      "pipeline parallelism (its stages exchange activations by send/recv, which ftkit can "
      "neither stop nor roll back with the step)", "set it to 1"),
     ("data_parallel_size", lambda v: _number(v) > 1,
-     "data parallelism (coupled replicas of an MoE model need an all_gatherv that vLLM-CPU's "
-     "communicator lacks, and ftkit's rounds span one replica)", "set it to 1"),
+     "data parallelism in an offline engine (its replicas need an all_gatherv that vLLM-CPU's "
+     "communicator lacks)", "set it to 1, or serve a dense model's replicas "
+     "(engine.mode serve)"),
     ("enable_expert_parallel", lambda v: v is True,
      "expert parallelism (vLLM-CPU's fused MoE kernel ignores the expert map; without it the "
      "experts are sharded by tensor parallelism, which ftkit recovers)", "set it to false"),
@@ -267,12 +278,31 @@ def _number(value: Any) -> float:
 def _engine_problems(scenario: Scenario) -> list[Problem]:
     if not scenario.recovery.enabled:
         return []
-    args = scenario.engine.args
-    return [(("engine", "args", key),
-             f"ftkit's recovery does not support {what} yet: {fix} (or set recovery.enabled "
-             f"false to run without recovery)")
-            for key, turns_on, what, fix in _UNRECOVERABLE_ARGS
-            if key in args and turns_on(args[key])]
+    engine = scenario.engine
+    args = engine.args
+    found = []
+    for key, turns_on, what, fix in _UNRECOVERABLE_ARGS:
+        if key not in args or not turns_on(args[key]):
+            continue
+        if key == "data_parallel_size" and engine.mode == "serve":
+            if not _moe(engine.model):
+                continue  # a dense model's replicas: engines of their own, each recovered
+            what, fix = ("data parallelism of an MoE model (its replicas are coupled: they "
+                         "run every step together, and vLLM-CPU's communicator lacks the "
+                         "all_gatherv they need)", "set it to 1")
+        found.append((("engine", "args", key),
+                      f"ftkit's recovery does not support {what} yet: {fix} (or set "
+                      f"recovery.enabled false to run without recovery)"))
+    return found
+
+
+def _moe(model: str) -> bool:
+    """Whether ``model`` (a scenario's ``engine.model``) is a mixture of experts: the
+    embedded ``tiny-moe``, or a local folder whose configuration says so (``ftkit serve``
+    checks a model it cannot read here again as it starts)."""
+    from ftkit.model.moe import TINY_MOE, is_moe_model
+
+    return model == TINY_MOE or is_moe_model(model)
 
 
 def _bounds_problems(scenario: Scenario) -> list[Problem]:

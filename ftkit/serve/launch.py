@@ -52,6 +52,7 @@ import yaml
 from ftkit.bounds import VLLM_EXECUTE_TIMEOUT_ENV
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.errors import FtkitError
+from ftkit.model.moe import is_moe_model
 from ftkit.serve.control import MIN_SECRET_CHARS, SECRET_ENV
 from ftkit.vllm.environment import (CPU_ENGINE_ENV, ENGINE_ENV, THREADS_BIND_ENV,
                                     cpu_threads_bind, engine_env, execute_timeout)
@@ -517,23 +518,6 @@ class _Platform:
             else:
                 self._value = self._source()
         return self._value
-
-
-def is_moe_model(model: str) -> bool:
-    """Whether ``model`` is a local folder whose ``config.json`` names experts (Mixtral's
-    ``num_local_experts``, Qwen-MoE's ``num_experts``, DeepSeek's ``n_routed_experts``);
-    ``False`` for anything else (a model of a hub, a folder without one)."""
-    path = Path(model) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(config, dict):
-        return False
-    configs = [config, *(v for v in config.values() if isinstance(v, dict))]  # text_config
-    return any(int(c.get(key) or 0) > 1 for c in configs
-               for key in ("num_local_experts", "num_experts", "n_routed_experts")
-               if isinstance(c.get(key), (int, float)))
 
 
 def _engine_env(env: dict[str, str], recovery: RecoveryConfig | None, tp: int,

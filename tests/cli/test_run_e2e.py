@@ -219,6 +219,17 @@ def test_bundled_scenario_library_passes(cache_dir, tmp_path):
     [kill] = served["faults"]
     assert kill["fired"] and kill["recovered"] and kill["restart_s"] > 0
     assert served["client"]["failed_requests"] == 0 and len(served["client"]["run"]) == 5
+    # Two data-parallel replicas: the reset recovered in the replica that met it (one round,
+    # one rank), the kill by an engine replacement; the crippled variant is
+    # tests/serve/test_serve_dp_scenario.py.
+    replicas = scenarios["serve_data_parallel"]
+    reset, kill = replicas["faults"]
+    assert (reset["kind"], reset["fired"], reset["recovered"]) == ("device_reset", True, True)
+    assert (kill["kind"], kill["fired"], kill["recovered"]) == ("process_kill", True, True)
+    [round_] = replicas["recoveries"]
+    assert (round_["decision"], len(round_["ranks"])) == ("recompute", 1)
+    assert all(len(r["actual"]) == 48 for r in replicas["requests"])
+    assert replicas["client"]["failed_requests"] == 0
 
 
 def test_timeout_stops_the_run_and_reaps_every_process(tmp_path, cache_dir):

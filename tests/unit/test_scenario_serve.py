@@ -45,6 +45,45 @@ def test_the_bundled_serve_scenario_loads_as_a_tp2_server_run():
     assert scenario.workload.prompt_count() == 4
 
 
+DATA_PARALLEL = """\
+name: dp
+engine: {tensor_parallel_size: 1, mode: serve, args: {data_parallel_size: 2}}
+workload:
+  prompts: [one two three, four five six]
+  max_tokens: 8
+faults:
+  - {kind: device_reset, rank: all, at: {request: 1, token: 3}}
+"""
+
+
+def test_the_bundled_data_parallel_scenario_serves_two_replicas_with_faults_on_rank_all():
+    scenario = load_scenario(REPO / "scenarios" / "serve_data_parallel.yaml")
+    assert (scenario.engine.data_parallel_size, scenario.engine.ranks) == (2, 2)
+    assert {f.rank for f in scenario.faults} == {"all"}
+    options = serve.server_options(scenario, 8000, "/events")
+    assert options[options.index("--data-parallel-size") + 1] == "2"
+    # Tensor parallel 2 in each of two replicas: four ranks a fault may name.
+    wider = load_scenario_text(DATA_PARALLEL.replace("tensor_parallel_size: 1",
+                                                     "tensor_parallel_size: 2"))
+    assert wider.engine.ranks == 4
+
+
+def test_data_parallelism_is_served_for_a_dense_model_and_refused_elsewhere_with_why():
+    one_rank = DATA_PARALLEL.replace("rank: all", "rank: 1")
+    [(line, field, why)] = problems(one_rank)
+    assert (line, field) == (7, "faults[0].rank")
+    assert "load balancer" in why and "give rank all" in why
+    offline = DATA_PARALLEL.replace("mode: serve", "mode: offline")
+    [(line, field, why)] = problems(offline)
+    assert (line, field) == (2, "engine.args.data_parallel_size")
+    assert "data parallelism in an offline engine" in why and "engine.mode serve" in why
+    moe = DATA_PARALLEL.replace("tensor_parallel_size: 1,", "model: tiny-moe, "
+                                "tensor_parallel_size: 1,")
+    [(line, field, why)] = problems(moe)
+    assert (line, field) == (2, "engine.args.data_parallel_size")
+    assert "data parallelism of an MoE model" in why and "set it to 1" in why
+
+
 def test_serve_fields_default_to_todays_offline_run():
     scenario = load_scenario_text(SERVE.replace(", mode: serve", "").replace(
         "  api: completions\n  background_streams: 1\n", ""))

@@ -407,7 +407,8 @@ def test_a_process_kill_with_any_request_feature_validates(sampling):
 
 @pytest.mark.parametrize("arg, value, fix", [
     ("pipeline_parallel_size", "2", "set it to 1"),
-    ("data_parallel_size", "2", "set it to 1"),
+    ("data_parallel_size", "2",
+     "set it to 1, or serve a dense model's replicas (engine.mode serve)"),
     ("enable_expert_parallel", "true", "set it to false"),
     ("speculative_config", "{method: ngram, num_speculative_tokens: 2}", "remove it"),
     ("async_scheduling", "true", "set it to false"),
