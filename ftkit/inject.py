@@ -41,6 +41,7 @@ from ftkit.contracts.requests import (  # noqa: F401
     RequestRef,
     parse_request_id,
     request_id,
+    resumed_offset,
     served_request_matches,
 )
 from ftkit.contracts.step import RpcKind
@@ -205,8 +206,10 @@ class Injector:
             if key is not None:
                 if tokens is None:
                     tokens = self._token_indices(scheduler_output)
-                if any(token == fault.planned.spec.at.token and served_request_matches(rid, key)
-                       for rid, token in tokens.items()):
+                # A request a restarted server resumed counts its tokens from where it
+                # resumed (its id says how many it had).
+                if any(resumed_offset(rid) + token == fault.planned.spec.at.token
+                       and served_request_matches(rid, key) for rid, token in tokens.items()):
                     fault.step = step
                 continue
             if indices is None:

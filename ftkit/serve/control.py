@@ -31,8 +31,8 @@ import asyncio
 import hmac
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -41,7 +41,7 @@ from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.contracts.plan import FaultPlan, PlannedFault
 from ftkit.errors import FtkitError
 from ftkit.scenario.model import FaultSpec
-from ftkit.serve.state import served_world_size
+from ftkit.serve.state import fired_attempts, served_world_size
 
 log = logging.getLogger("ftkit")
 
@@ -140,6 +140,10 @@ class Control:
     secret: str | None
     world_size: int = 1
     planned: int = 0
+    #: Every live fault planned (``inject``), in order.
+    faults: list[PlannedFault] = field(default_factory=list)
+    #: The ranks' published records (``ftkit.serve.state``): what fired (``replan``).
+    read_ranks: Callable[[], Mapping[int, Any]] | None = None
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()
@@ -199,15 +203,46 @@ class Control:
                 raise EngineUnavailable("ranks disagreed on a checked fault: " +
                                         "; ".join(errors))
             self.planned += 1
+            self.faults.append(fault)
         planned = describe(fault)
         log.warning("ftkit: planned live fault %s", planned)
         return {"planned": planned}
 
-    async def _call(self, plan: str, *, check_only: bool) -> list[str]:
+    async def replan(self, engine: Any) -> None:
+        """Give ``engine``, which replaces a dead one (``ftkit.vllm.restart`` calls this before
+        any request goes on there), the live faults planned for a request that have not failed
+        all their attempts (the ranks' published records say which fired): planned for a
+        request that was waiting, or that had not reached its token, they would otherwise be
+        lost with the dead engine, though the request goes on. A fault planned by steps
+        (``after_steps``) counted the dead engine's steps: it is dropped, and the server says
+        so."""
+        async with self._lock:
+            if not self.faults:
+                return
+            fired = fired_attempts((self.read_ranks() if self.read_ranks else {}).values())
+            again = [replace(f, fired=fired.get(f.index, 0)) for f in self.faults
+                     if f.request_key is not None and fired.get(f.index, 0) < f.spec.times]
+            dropped = [f.index for f in self.faults
+                       if f.after_steps is not None and not fired.get(f.index, 0)]
+            if dropped:
+                log.warning("ftkit: live fault(s) %s, planned by steps of the dead engine, are "
+                            "not planned on the new one", dropped)
+            if not again:
+                return
+            plan = FaultPlan(None, tuple(again)).to_json()
+            errors = await self._call(plan, check_only=False, engine=engine)
+            if errors:
+                log.error("ftkit: the new engine did not take the live faults %s: %s",
+                          [f.index for f in again], "; ".join(errors))
+                return
+        log.warning("ftkit: live fault(s) %s planned again on the new engine (not fired, or "
+                    "not all their attempts, before the engine died)", [f.index for f in again])
+
+    async def _call(self, plan: str, *, check_only: bool, engine: Any = None) -> list[str]:
+        client = self.engine_client if engine is None else engine
         try:
             answers = await asyncio.wait_for(
-                self.engine_client.collective_rpc(RPC_METHOD, args=(plan, check_only)),
-                RPC_TIMEOUT_S)
+                client.collective_rpc(RPC_METHOD, args=(plan, check_only)), RPC_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"the engine did not take the fault within "
                                     f"{RPC_TIMEOUT_S:.0f} s (a long recovery may be running); "
@@ -232,9 +267,16 @@ class EndpointPlugin:
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         from ftkit.serve import health
 
-        state.ftkit_control = Control.of_server(engine_client,
-                                                getattr(args, "additional_config", None))
+        control = Control.of_server(engine_client, getattr(args, "additional_config", None))
+        state.ftkit_control = control
         await health.init_state(engine_client, state, args)
+        server = getattr(state, "ftkit_health", None)
+        if control.enabled and server is not None and server.state is not None:
+            control.read_ranks = server.state.read
+            # An engine that replaces a dead one gets the faults still to fire.
+            hooks = getattr(engine_client, "on_replaced", None)
+            if isinstance(hooks, list):
+                hooks.append(control.replan)
 
 
 def endpoint_plugin() -> EndpointPlugin:

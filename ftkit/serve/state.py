@@ -110,6 +110,9 @@ class RankRecord:
     pid: int = 0
     #: Fault firings on this rank, by fault kind (a flap counts each failing attempt).
     faults: dict[str, int] = field(default_factory=dict)
+    #: The same by the live fault's index in the server's plan (as a string: JSON keys), so
+    #: that a replacement engine is given the faults that have not fired all their attempts.
+    fired: dict[str, int] = field(default_factory=dict)
     #: This rank's part of each recovery round, by outcome (``OUTCOMES``).
     rounds: dict[str, int] = field(default_factory=dict)
     #: Rounds whose part on this rank lasted at most each of ``DURATION_BUCKETS_S`` (and not
@@ -147,6 +150,8 @@ class RankRecord:
         died and was replaced under the same server), so that they never go down."""
         for kind, n in earlier.faults.items():
             self.faults[kind] = self.faults.get(kind, 0) + n
+        for index, n in earlier.fired.items():
+            self.fired[index] = self.fired.get(index, 0) + n
         for outcome, n in earlier.rounds.items():
             self.rounds[outcome] = self.rounds.get(outcome, 0) + n
         self.round_buckets = [a + b for a, b in zip(self.round_buckets, earlier.round_buckets)]
@@ -182,9 +187,14 @@ class RankPublisher:
     def for_instance(cls, instance_id: str, rank: int) -> RankPublisher:
         return cls(state_dir(instance_id), rank)
 
-    def fault_fired(self, kind: str) -> None:
+    def fault_fired(self, kind: str, index: int | None = None) -> None:
+        """A fault of ``kind`` fired on this rank (``index``: the live fault's place in the
+        server's plan)."""
         with self._lock:
-            self.record.faults[kind] = self.record.faults.get(kind, 0) + 1
+            record = self.record
+            record.faults[kind] = record.faults.get(kind, 0) + 1
+            if index is not None:
+                record.fired[str(index)] = record.fired.get(str(index), 0) + 1
             self._write()
 
     def round_started(self, epoch: int) -> None:
@@ -260,6 +270,16 @@ def read_ranks(directory: Path) -> dict[int, RankRecord]:
             continue
         records[record.rank] = record
     return records
+
+
+def fired_attempts(records: Iterable[RankRecord]) -> dict[int, int]:
+    """Live fault index -> the attempts it failed, over every rank: the most any rank saw (a
+    fault on every rank fires on each of them for one attempt)."""
+    fired: dict[int, int] = {}
+    for record in records:
+        for index, n in record.fired.items():
+            fired[int(index)] = max(fired.get(int(index), 0), n)
+    return fired
 
 
 def without_stale_marks(records: Mapping[int, RankRecord]) -> dict[int, RankRecord]:

@@ -36,7 +36,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,9 @@ class RestartingEngine:
         self.restart_seconds: list[float] = []
         #: When the last replacement began (``time.monotonic()``): the death being acted on.
         self._death_at = 0.0
+        #: Awaited with each new engine once it serves, before any request goes on there
+        #: (ftkit's injection route gives it the live faults still to fire).
+        self.on_replaced: list[Callable[[Any], Awaitable[None]]] = []
 
     # --- the engine of the moment -----------------------------------------------------------
 
@@ -329,6 +332,11 @@ class RestartingEngine:
                 log.info("ftkit: the dead engine ended in %.2f s; starting a new one",
                          time.monotonic() - began)
             new = await loop.run_in_executor(None, self._take_standby_or_start)
+            for hook in self.on_replaced:
+                try:
+                    await hook(new)
+                except Exception as exc:  # noqa: BLE001 - the new engine serves regardless
+                    log.error("ftkit: after the replacement, %r failed: %s", hook, exc)
             self._engine = new
             self._retired.append(dead)
             if standby:  # the streams go on at once; the dead engine is ended behind them

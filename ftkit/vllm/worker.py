@@ -284,7 +284,7 @@ class _PublishingEventLog(EventLog):
         event = super().emit(event)
         publisher = self.publisher
         if isinstance(event, FaultFired):
-            publisher.fault_fired(event.kind)
+            publisher.fault_fired(event.kind, event.index)
         elif isinstance(event, RecoveryRound):
             publisher.round_ended(event.decision, event.duration_s)
         elif isinstance(event, StepRecovered):

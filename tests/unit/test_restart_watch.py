@@ -189,3 +189,30 @@ def test_behind_a_standby_the_dead_engine_is_ended_after_the_grace_at_most(monke
     began = time.monotonic()
     asyncio.run(asyncio.wait_for(server._end_dead_behind(dead), 5))
     assert ended == [dead] and 0.3 <= time.monotonic() - began < 3
+
+
+def test_a_new_engine_is_handed_to_the_hooks_before_any_request_goes_on(monkeypatch):
+    """``on_replaced`` (the injection route's ``replan``) runs with the new engine before the
+    replacement completes, so before a waiting request is resumed there; a hook that fails
+    is logged and the new engine serves regardless."""
+    import asyncio
+
+    first, new = engine_of(1), engine_of(2)
+    engines = iter([first, new])
+    server = restart.RestartingEngine(lambda primary: next(engines),
+                                      RecoveryConfig(max_restarts=1))
+    monkeypatch.setattr(server, "_end_dead", lambda engine: None)
+    monkeypatch.setattr(restart, "_end_requests", lambda engine: None)
+    seen: list[tuple[Any, Any]] = []
+
+    async def hook(engine: Any) -> None:
+        seen.append((engine, server._engine))
+
+    async def failing(engine: Any) -> None:
+        raise RuntimeError("the route could not plan")
+
+    server.on_replaced += [failing, hook]
+    assert asyncio.run(server._replaced(first)) is True
+    # The hook had the new engine while the server still named the dead one (requests wait
+    # on the replacement until it completes); then the new engine serves.
+    assert seen == [(new, first)] and server._engine is new

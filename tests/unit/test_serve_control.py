@@ -189,6 +189,50 @@ def test_a_live_fault_for_a_client_request_fires_at_its_token_and_keeps_the_othe
     assert [f.planned.index for f in inj.faults] == [0, 1]  # the steps-ahead one still waits
 
 
+def test_a_live_fault_on_a_resumed_request_counts_the_tokens_it_had():
+    """A request the restarted server resumed after 12 tokens: its engine id says so, and its
+    token 3 there is the client's token 15 (crippled: counted from the resume, the fault
+    planned for token 15 would fire 12 tokens late)."""
+    inj = injector()
+    inj.add_live(live_plan(0, key="c-1", token=15))
+    step(inj, 1, {"cmpl-c-1-0-abcd+ftkit12-ef01": 2})
+    assert fired(inj) == []
+    with pytest.raises(Exception, match="out of memory"):
+        step(inj, 2, {"cmpl-c-1-0-abcd+ftkit12-ef01": 3})
+        inj.forward_hook()
+    assert [(e.index, e.step) for e in fired(inj)] == [(0, 2)]
+
+
+def test_a_new_engine_is_given_the_live_faults_still_to_fire():
+    """After an engine replacement (``RestartingEngine.on_replaced``), the new engine gets
+    every fault planned for a request that has not failed all its attempts, with those it
+    did (the ranks' published records); a fault planned by steps of the dead engine is
+    dropped. Crippled: without ``replan`` the new engine is asked nothing."""
+    from ftkit.serve.state import RankRecord
+
+    old, new = Engine(), Engine()
+    ctl = control_of(engine=old)
+    for body in (FAULT,  # 0: fired (the kill, say): not again
+                 {**FAULT, "kind": "link_flap", "times": 3},  # 1: fired once of three
+                 {**FAULT, "token": 30},  # 2: never fired
+                 {**FAULT, "request_id": None, "token": None, "after_steps": 50}):  # 3
+        run(ctl.inject(body, SECRET))
+    records = {0: RankRecord(rank=0, fired={"0": 1, "1": 1}), 1: RankRecord(rank=1)}
+    ctl.read_ranks = lambda: records
+    run(ctl.replan(new))
+    [(method, (plan_json, check_only))] = new.calls
+    assert (method, check_only) == (control.RPC_METHOD, False)
+    plan = FaultPlan.from_json(plan_json)
+    assert [(f.index, f.fired, f.request_key) for f in plan.faults] == [
+        (1, 1, "client-7"), (2, 0, "client-7")]
+    assert len(old.calls) == 8  # its two calls per fault, no more
+    # Every fault fired all its attempts: nothing to ask.
+    records[1] = RankRecord(rank=1, fired={"1": 3, "2": 1})
+    quiet = Engine()
+    run(ctl.replan(quiet))
+    assert quiet.calls == []
+
+
 def test_a_live_fault_steps_ahead_fires_in_the_step_it_names():
     inj = injector()
     inj.add_live(live_plan(0, after=2))

@@ -110,6 +110,29 @@ def test_a_rank_publishes_nothing_until_the_server_made_its_directory(temp_root)
     assert sorted(p.name for p in made.directory.iterdir()) == [OWNER_FILE, "rank1.json"]
 
 
+def test_a_ranks_live_faults_fired_are_kept_across_an_engine_replacement(temp_root):
+    """Each rank counts its firings by live fault index too; a replacement engine's worker of
+    the same rank adds the dead one's (``absorb``), and ``fired_attempts`` takes, per fault,
+    the most any rank saw."""
+    from ftkit.serve.state import fired_attempts
+
+    made = ServerStateDir.create("7")
+    dead = RankPublisher.for_instance("7", 0)
+    dead.fault_fired("process_kill", 0)
+    dead.fault_fired("link_flap", 1)
+    other = RankPublisher.for_instance("7", 1)
+    other.fault_fired("link_flap", 1)
+    other.fault_fired("link_flap", 1)
+    new = RankPublisher.for_instance("7", 0)
+    new.record.pid = -1  # another worker process of rank 0
+    new.fault_fired("device_reset", 2)
+    records = read_ranks(made.directory)
+    assert records[0].fired == {"0": 1, "1": 1, "2": 1}
+    assert records[0].faults == {"process_kill": 1, "link_flap": 1, "device_reset": 1}
+    assert fired_attempts(records.values()) == {0: 1, 1: 2, 2: 1}
+    assert fired_attempts([]) == {}
+
+
 def test_a_rank_marks_itself_recovering_for_the_length_of_a_round(temp_root):
     made = ServerStateDir.create("7")
     publisher = RankPublisher.for_instance("7", 0)
