@@ -8,26 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psutil
 import pytest
+from test_serve_scenario import run
 
 from ftkit.results import Verdict
-from ftkit.runner import ScenarioRunner
 from ftkit.scenario import load_scenario
 from ftkit.scenario.model import RecoverySpec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "serve_data_parallel.yaml"
-
-
-def run(scenario):
-    before = set(psutil.Process().children(recursive=True))  # earlier tests' helpers
-    with ScenarioRunner(use_cache=False) as runner:
-        result = runner.run(scenario, file=str(SCENARIO))
-    # The server was this process's child; it is reaped, and nothing it started is left.
-    assert set(psutil.Process().children(recursive=True)) - before == set()
-    return result
 
 
 def test_the_reset_without_a_rerun_fails_the_data_parallel_serve_scenario(tiny_model):
@@ -37,7 +27,7 @@ def test_the_reset_without_a_rerun_fails_the_data_parallel_serve_scenario(tiny_m
     scenario = load_scenario(SCENARIO)
     crippled = scenario.model_copy(update={"recovery": RecoverySpec(max_reinference=0),
                                            "faults": scenario.faults[:1]})
-    result = run(crippled)
+    result = run(crippled, SCENARIO)
     assert result.verdict == Verdict.FAIL, result.reason
     assert result.faults[0].fired and not result.faults[0].recovered
     assert result.client is not None and result.client.failed_requests > 0

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
+from test_serve_scenario import run
 
 from ftkit.results import Verdict
-from ftkit.runner import ScenarioRunner
 from ftkit.scenario import load_scenario_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -29,10 +28,7 @@ def test_a_fault_planned_before_the_engine_died_fires_on_the_new_engine(tiny_mod
     data["faults"].append({"kind": "device_reset", "rank": 0, "phase": "forward",
                            "at": {"request": 1, "token": 24}})
     scenario = load_scenario_text(yaml.safe_dump(data), file=str(SCENARIO))
-    before = set(psutil.Process().children(recursive=True))
-    with ScenarioRunner(use_cache=False) as runner:
-        result = runner.run(scenario, file=str(SCENARIO))
-    assert set(psutil.Process().children(recursive=True)) - before == set()
+    result = run(scenario, SCENARIO)
     assert result.verdict == Verdict.PASS, (result.reason, result.error)
     kill, reset = result.faults
     assert (kill.fired, kill.recovered) == (True, True)

@@ -25,10 +25,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "serve_link_flap.yaml"
 
 
-def run(scenario):
+def run(scenario, file: Path = SCENARIO):
+    """``scenario``'s result, run as the file ``file``; nothing of its server left after."""
     before = set(psutil.Process().children(recursive=True))  # earlier tests' helpers
     with ScenarioRunner(use_cache=False) as runner:
-        result = runner.run(scenario, file=str(SCENARIO))
+        result = runner.run(scenario, file=str(file))
     # The server was this process's child; it is reaped, and nothing it started is left.
     assert set(psutil.Process().children(recursive=True)) - before == set()
     return result
