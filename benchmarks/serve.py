@@ -183,14 +183,13 @@ ENGINE_SERIES = (GENERATED, INFERENCE_SUM, INFERENCE_COUNT)
 def metric_totals(text: str, names: Sequence[str] = ENGINE_SERIES) -> dict[str, float]:
     """Each of ``names`` from a Prometheus text page, summed over its label sets (0 where
     the page has none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     totals = {name: 0.0 for name in names}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        name = series.split("{", 1)[0]
-        if name in totals:
-            totals[name] += float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
     return totals
 
 
@@ -646,10 +645,10 @@ def measure_kill(server: BenchServer, model: str, plan: Plan, standby: bool) -> 
     running = [] if kill_at is None else [
         i for i, s in enumerate(run.streams)
         if sum(1 for t in first(s).token_times if t <= kill_at) < plan.kill_tokens]
-    delays = [] if kill_at is None else resume_delays(kill_at, run.times(), by_server)
+    times = run.times()
+    delays = [] if kill_at is None else resume_delays(kill_at, times, by_server)
     resumed = [d for d in delays if d is not None]
-    gap, behind = (None, None) if kill_at is None else resume_gaps(kill_at, run.times(),
-                                                                     by_server)
+    gap, behind = (None, None) if kill_at is None else resume_gaps(kill_at, times, by_server)
     complete = [i for i, s in enumerate(run.streams) if s.error is None
                 and len(first(s).token_ids) == plan.kill_tokens]
     ran, expected = run.outputs(), reference.outputs()

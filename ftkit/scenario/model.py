@@ -132,11 +132,16 @@ class EngineSpec(_Strict):
         return value if ok else 1
 
     @property
+    def replicas(self) -> int:
+        """The engines of a server's data parallelism (``data_parallel_size``); an offline
+        engine runs one."""
+        return self.data_parallel_size if self.mode == "serve" else 1
+
+    @property
     def ranks(self) -> int:
         """Every rank a fault may name: the tensor-parallel ranks, times the replicas of a
         server (rank ``r`` of replica ``i`` is ``i * tensor_parallel_size + r``)."""
-        replicas = self.data_parallel_size if self.mode == "serve" else 1
-        return self.tensor_parallel_size * replicas
+        return self.tensor_parallel_size * self.replicas
 
 
 class RandomPrompts(_Strict):

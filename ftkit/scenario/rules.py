@@ -142,7 +142,7 @@ def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
     # A scenario must never look as if it tested a fault that the injector would skip.
     if not spec.implemented:
         found.append((at + ("kind",), f"fault kind '{fault.kind}' is not implemented yet"))
-    replicas = engine.data_parallel_size if engine.mode == "serve" else 1
+    replicas = engine.replicas
     if replicas > 1 and fault.rank != "all":
         found.append((at + ("rank",), f"with {replicas} data-parallel replicas the server's "
                                       f"load balancer, not the scenario, picks the replica "
