@@ -266,6 +266,11 @@ def _slowest_phases(result: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _stall_ms(stalled: float | None) -> str:
+    """What of a client-visible gap the clients' own process spent not run (``Stalls``)."""
+    return f", {stalled * 1000:.0f} ms of it the clients' process not run" if stalled else ""
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "not met"
 
@@ -412,7 +417,9 @@ def _serve(result: dict[str, Any] | None) -> str:
             f"Faults through the live route: {len(exact)} of {len(rows)} kinds fired as "
             f"planned with every stream identical to the fault-free run"
             + (f"; the largest client-visible gap {worst['largest_gap_s'] * 1000:.0f} ms "
-               f"({worst['case']}; fault-free {faults['reference_gap_s'] * 1000:.0f} ms)"
+               f"({worst['case']}{_stall_ms(worst.get('largest_gap_stalled_s'))}; "
+               f"fault-free {faults['reference_gap_s'] * 1000:.0f} ms"
+               f"{_stall_ms(faults.get('reference_gap_stalled_s'))})"
                if worst is not None and faults["reference_gap_s"] else "") + ".")
         if faults["reference_repeat_mismatched"]:
             reading.append(f"A second fault-free run differed from the first in "
@@ -451,6 +458,10 @@ def _serve(result: dict[str, Any] | None) -> str:
             if k.get("clients_behind_s") is not None and k["clients_behind_s"] > 0:
                 clients.append(f"the clients read the dead engine's last tokens up to "
                                f"{k['clients_behind_s']:.2f} s after the kill")
+            if k.get("clients_stalled_s"):
+                clients.append(f"meanwhile the clients' own process was not run for "
+                               f"{k['clients_stalled_s']:.2f} s (longest "
+                               f"{k['clients_longest_stall_s']:.2f} s)")
             shown = (f"every resumed stream had its next output from the server {took:.2f} s "
                      f"after the kill" + (f" ({'; '.join(clients)})" if clients else ""))
         elif took is not None:

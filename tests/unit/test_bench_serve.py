@@ -53,6 +53,38 @@ def test_largest_gap_is_within_one_stream_never_across():
     assert serve.largest_gap([[1.0], []]) is None
 
 
+def test_the_largest_gap_span_says_when_it_was():
+    assert serve.largest_gap_span([[0.0, 0.1, 0.5], [10.0, 10.2]]) == (0.1, 0.5)
+    assert serve.largest_gap_span([[]]) is None
+
+
+def test_stalls_count_only_their_part_within_the_window():
+    stalls = [(1.0, 2.0), (5.0, 9.0), (20.0, 20.5)]
+    # 0.5 s of the first, 3 s of the second (the longest there); the third lies outside.
+    assert serve.stalled_within(stalls, 1.5, 8.0) == (3.5, 3.0)
+    assert serve.stalled_within(stalls, 10.0, 19.0) == (0.0, 0.0)
+    assert serve.stalled_within([], 0.0, 1.0) == (0.0, 0.0)
+
+
+def test_a_runs_stalls_are_placed_on_its_clients_clock():
+    run = serve.Driven([], False, released_wall=0.0, released=100.0,
+                       stalls=[(101.0, 104.0)])
+    assert run.stalled(0.5, 2.0) == (1.0, 1.0)
+    assert run.stalled(4.0, 5.0) == (0.0, 0.0)
+
+
+def test_a_process_not_run_is_noted_by_the_stall_watch():
+    import time
+    stalls = serve.Stalls()
+    time.sleep(0.05)
+    # What a stall looks like to the watch: a tick that woke far too late. Holding the
+    # interpreter lock in one call (a long C call, as a starved process sees it) makes one.
+    sum(range(30_000_000))
+    time.sleep(0.05)
+    intervals = stalls.stop()
+    assert intervals and max(b - a for a, b in intervals) > serve.Stalls.STALL_S
+
+
 def test_mismatched_names_streams_whose_ids_or_logprobs_differ():
     ref = [([1, 2], [-0.1, -0.2]), ([3], [-0.3])]
     assert serve.mismatched(ref, ref) == []
@@ -132,7 +164,9 @@ def _result(cold: float | None, standby: float | None, failed: int = 0,
             "server_resumed_s": {"0": slowest} if slowest is not None else {}}
         if clients_late_s is not None and slowest is not None:
             slowest += clients_late_s
-            on_server.update(client_resume_gap_s=0.25, clients_behind_s=clients_late_s)
+            on_server.update(client_resume_gap_s=0.25, clients_behind_s=clients_late_s,
+                             clients_stalled_s=clients_late_s * 0.9,
+                             clients_longest_stall_s=clients_late_s * 0.6)
         return {**on_server, "mode": mode, "streams": 4, "max_tokens": 100, "killed_pid": 1,
                 "kill_at_s": 1.0, "running_at_kill": 4,
                 "resumed": 4 if slowest is not None else 0,
@@ -195,7 +229,8 @@ def test_the_kill_targets_are_checked_on_the_server_where_it_was_measured():
     assert ("standby replacement: every resumed stream had its next output from the server "
             "0.40 s after the kill (its next token at the clients after 9.40 s; the largest "
             "gap a client read across the resume 0.25 s; the clients read the dead engine's "
-            "last tokens up to 9.00 s after the kill)") in text
+            "last tokens up to 9.00 s after the kill; meanwhile the clients' own process was "
+            "not run for 8.10 s (longest 5.40 s))") in text
     assert "not met" not in text
     late = report.render({"serve": _result(cold=25.5, standby=1.5, clients_late_s=0.1)})
     assert late.count("not met") == 1
