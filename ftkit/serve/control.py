@@ -214,8 +214,8 @@ class Control:
         all their attempts (the ranks' published records say which fired): planned for a
         request that was waiting, or that had not reached its token, they would otherwise be
         lost with the dead engine, though the request goes on. A fault planned by steps
-        (``after_steps``) counted the dead engine's steps: it is dropped, and the server says
-        so."""
+        (``after_steps``) counted the dead engine's steps: its attempts left are dropped,
+        and the server says so, once (the fault is forgotten)."""
         async with self._lock:
             if not self.faults:
                 return
@@ -223,10 +223,11 @@ class Control:
             again = [replace(f, fired=fired.get(f.index, 0)) for f in self.faults
                      if f.request_key is not None and fired.get(f.index, 0) < f.spec.times]
             dropped = [f.index for f in self.faults
-                       if f.after_steps is not None and not fired.get(f.index, 0)]
+                       if f.after_steps is not None and fired.get(f.index, 0) < f.spec.times]
             if dropped:
                 log.warning("ftkit: live fault(s) %s, planned by steps of the dead engine, are "
                             "not planned on the new one", dropped)
+                self.faults = [f for f in self.faults if f.index not in dropped]
             if not again:
                 return
             plan = FaultPlan(None, tuple(again)).to_json()

@@ -233,6 +233,26 @@ def test_a_new_engine_is_given_the_live_faults_still_to_fire():
     assert quiet.calls == []
 
 
+def test_a_fault_planned_by_steps_is_dropped_once(caplog):
+    """A fault planned by steps of a dead engine (its attempts left) is dropped, and said so,
+    at the first replacement only: a later one has nothing of it to say (crippled: kept, it
+    was logged as dropped again at every replacement)."""
+    import logging
+
+    from ftkit.serve.state import RankRecord
+
+    ctl = control_of(engine=Engine())
+    run(ctl.inject({**FAULT, "request_id": None, "token": None, "after_steps": 50,
+                    "times": 2}, SECRET))
+    ctl.read_ranks = lambda: {0: RankRecord(rank=0, fired={"0": 1})}  # one of its two fired
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        run(ctl.replan(Engine()))
+        run(ctl.replan(Engine()))
+    dropped = [r for r in caplog.records if "planned by steps of the dead engine" in r.message]
+    assert len(dropped) == 1 and "[0]" in dropped[0].getMessage()
+    assert ctl.faults == []
+
+
 def test_a_live_fault_steps_ahead_fires_in_the_step_it_names():
     inj = injector()
     inj.add_live(live_plan(0, after=2))
