@@ -52,6 +52,14 @@ WATCH_EVERY_S = 0.05
 #: After a warm standby took over, the dead engine is ended once every request it served has
 #: had an output from the new engine, or after this many seconds, whichever comes first.
 DEAD_ENGINE_GRACE_S = 10.0
+#: After a replacement, the new engine's scheduler is held (vLLM's pause, mode ``keep``) until
+#: every request that was waiting on the dead engine has gone to it, at most this long: their
+#: resumed prefills then run in one first step. Let go one by one, the first to arrive ran a
+#: step of its own and the others waited for it (a cold replacement's streams had their next
+#: outputs 0.2 s apart).
+HOLD_FOR_RESUMES_S = 0.5
+#: The bound on vLLM's pause and resume calls (engine core utility calls).
+HOLD_CALL_TIMEOUT_S = 5.0
 #: The bound on the warm standby's warm-up request (its first steps: vLLM compiles some of
 #: the model's operations then, and ftkit's workers assemble their recovery).
 WARM_UP_TIMEOUT_S = 300.0
@@ -337,7 +345,11 @@ class RestartingEngine:
                     await hook(new)
                 except Exception as exc:  # noqa: BLE001 - the new engine serves regardless
                     log.error("ftkit: after the replacement, %r failed: %s", hook, exc)
+            waiting = [r for r in self._requests if r.engine is dead]
+            held = bool(waiting) and await _hold(new)
             self._engine = new
+            if held:
+                self._ending.add(asyncio.ensure_future(self._let_go(new, waiting)))
             self._retired.append(dead)
             if standby:  # the streams go on at once; the dead engine is ended behind them
                 self._ending.add(asyncio.ensure_future(self._end_dead_behind(dead)))
@@ -353,6 +365,21 @@ class RestartingEngine:
             raise
         finally:
             self._replacing = None
+
+    async def _let_go(self, engine: Any, waiting: list[_Request]) -> None:
+        """Resume ``engine``'s held scheduler (``_hold``) once each of ``waiting`` went to it
+        (or ended), at most ``HOLD_FOR_RESUMES_S`` after the takeover; always resumed."""
+        deadline = time.monotonic() + HOLD_FOR_RESUMES_S
+        try:
+            while time.monotonic() < deadline and any(
+                    r in self._requests and r.sent_to is not engine for r in waiting):
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # (their requests' sends to the engine core)
+        finally:
+            try:
+                await asyncio.wait_for(engine.resume_generation(), HOLD_CALL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - an engine that died meanwhile is replaced
+                log.error("ftkit: the new engine's scheduler could not be resumed: %r", exc)
 
     # --- the warm standby -------------------------------------------------------------------
 
@@ -513,6 +540,18 @@ class _Processes:
         return False
 
 
+async def _hold(engine: Any) -> bool:
+    """Hold ``engine``'s scheduler: requests queue there, none is scheduled until
+    ``resume_generation`` (``RestartingEngine._let_go``). ``False`` when it could not."""
+    try:
+        await asyncio.wait_for(engine.pause_generation(mode="keep", clear_cache=False),
+                               HOLD_CALL_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - the resumes then go in one by one, as before
+        log.warning("ftkit: the new engine could not be held for the resumed requests: %r", exc)
+        return False
+    return True
+
+
 def _mark_dead(engine: Any) -> None:
     """Mark ``engine`` dead as vLLM's own watch of its engine core does: new requests are
     refused with ``EngineDeadError`` from then on."""
@@ -574,6 +613,8 @@ class _Request:
         #: The engine the request runs on now, and whether it had an output from it.
         self.engine: Any = None
         self.went_on = False
+        #: The engine this request's last part was sent to (``RestartingEngine._let_go``).
+        self.sent_to: Any = None
 
     def delivered(self) -> int:
         return sum(len(c.token_ids) for c in self.completions.values())
@@ -587,6 +628,7 @@ class _Request:
         kind = self.params.output_kind
         if self.prompt_ids is None or not self.delivered() \
                 or kind == RequestOutputKind.FINAL_ONLY:
+            self.sent_to = engine
             async for out in engine.generate(self.prompt, self.params, self.request_id,
                                              **kwargs):
                 yield self._take_first(out, kind)
@@ -596,6 +638,7 @@ class _Request:
             return
         streams = [self._resumed(engine, c, kwargs, len(pending) > 1 or self.params.n > 1)
                    for c in pending]
+        self.sent_to = engine
         async for out in _merged(streams):
             yield out
 

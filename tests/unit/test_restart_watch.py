@@ -216,3 +216,83 @@ def test_a_new_engine_is_handed_to_the_hooks_before_any_request_goes_on(monkeypa
     # The hook had the new engine while the server still named the dead one (requests wait
     # on the replacement until it completes); then the new engine serves.
     assert seen == [(new, first)] and server._engine is new
+
+
+def _holdable(engine: SimpleNamespace, calls: list[tuple[str, float]]) -> SimpleNamespace:
+    """``engine`` with vLLM's pause and resume, noting each call and when."""
+
+    async def pause_generation(*, mode: str, clear_cache: bool) -> None:
+        assert (mode, clear_cache) == ("keep", False)
+        calls.append(("pause", time.monotonic()))
+
+    async def resume_generation() -> None:
+        calls.append(("resume", time.monotonic()))
+
+    engine.pause_generation, engine.resume_generation = pause_generation, resume_generation
+    return engine
+
+
+def test_the_requests_resumed_on_a_new_engine_go_into_its_first_step_together(monkeypatch):
+    """The new engine's scheduler is held from before it serves until every request that
+    waited on the dead engine has gone to it: their resumed prefills then share one first
+    step (crippled: not held, the first to arrive ran a step of its own, and the cold
+    replacement's streams had their next outputs 0.2 s apart). The hold ends when the last
+    one went, and within ``HOLD_FOR_RESUMES_S`` if one never goes."""
+    import asyncio
+
+    calls: list[tuple[str, float]] = []
+    first, new = engine_of(1), _holdable(engine_of(2), calls)
+    engines = iter([first, new])
+    server = restart.RestartingEngine(lambda primary: next(engines),
+                                      RecoveryConfig(max_restarts=2))
+    monkeypatch.setattr(server, "_end_dead", lambda engine: None)
+    monkeypatch.setattr(restart, "_end_requests", lambda engine: None)
+    a, b = restart._Request(None, None, "a"), restart._Request(None, None, "b")
+    a.engine = b.engine = first
+    server._requests |= {a, b}
+
+    async def run() -> float:
+        assert await server._replaced(first) is True
+        assert [c for c, _ in calls] == ["pause"] and server._engine is new
+        a.sent_to = new
+        await asyncio.sleep(0.1)
+        assert [c for c, _ in calls] == ["pause"], "resumed before every request went"
+        sent = time.monotonic()
+        b.sent_to = new
+        await asyncio.gather(*server._ending)
+        return sent
+
+    sent = asyncio.run(run())
+    assert [c for c, _ in calls] == ["pause", "resume"] and calls[1][1] >= sent
+
+    # One that never goes (its client left, say) holds the engine no longer than the bound.
+    calls.clear()
+    third = _holdable(engine_of(3), calls)
+    server._start = lambda primary: third
+    stuck = restart._Request(None, None, "c")
+    stuck.engine = new
+    server._requests, server._ending = {stuck}, set()
+    monkeypatch.setattr(restart, "HOLD_FOR_RESUMES_S", 0.3)
+
+    async def bounded() -> None:
+        assert await server._replaced(new) is True
+        await asyncio.wait_for(asyncio.gather(*server._ending), 5)
+
+    began = time.monotonic()
+    asyncio.run(bounded())
+    assert [c for c, _ in calls] == ["pause", "resume"]
+    assert 0.3 <= calls[1][1] - began < 3
+
+
+def test_a_new_engine_with_no_request_waiting_is_not_held(monkeypatch):
+    import asyncio
+
+    calls: list[tuple[str, float]] = []
+    first, new = engine_of(1), _holdable(engine_of(2), calls)
+    engines = iter([first, new])
+    server = restart.RestartingEngine(lambda primary: next(engines),
+                                      RecoveryConfig(max_restarts=1))
+    monkeypatch.setattr(server, "_end_dead", lambda engine: None)
+    monkeypatch.setattr(restart, "_end_requests", lambda engine: None)
+    assert asyncio.run(server._replaced(first)) is True
+    assert calls == [] and server._engine is new
