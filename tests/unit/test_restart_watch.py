@@ -232,6 +232,19 @@ def _holdable(engine: SimpleNamespace, calls: list[tuple[str, float]]) -> Simple
     return engine
 
 
+def _replacing(monkeypatch: Any, calls: list[tuple[str, float]], restarts: int = 1
+               ) -> tuple[Any, SimpleNamespace, SimpleNamespace]:
+    """A server whose engine, once dead, is replaced by one that notes its pause and resume
+    in ``calls`` (nothing of the dead one is ended): (server, first engine, the new one)."""
+    first, new = engine_of(1), _holdable(engine_of(2), calls)
+    engines = iter([first, new])
+    server = restart.RestartingEngine(lambda primary: next(engines),
+                                      RecoveryConfig(max_restarts=restarts))
+    monkeypatch.setattr(server, "_end_dead", lambda engine: None)
+    monkeypatch.setattr(restart, "_end_requests", lambda engine: None)
+    return server, first, new
+
+
 def test_the_requests_resumed_on_a_new_engine_go_into_its_first_step_together(monkeypatch):
     """The new engine's scheduler is held from before it serves until every request that
     waited on the dead engine has gone to it: their resumed prefills then share one first
@@ -241,12 +254,7 @@ def test_the_requests_resumed_on_a_new_engine_go_into_its_first_step_together(mo
     import asyncio
 
     calls: list[tuple[str, float]] = []
-    first, new = engine_of(1), _holdable(engine_of(2), calls)
-    engines = iter([first, new])
-    server = restart.RestartingEngine(lambda primary: next(engines),
-                                      RecoveryConfig(max_restarts=2))
-    monkeypatch.setattr(server, "_end_dead", lambda engine: None)
-    monkeypatch.setattr(restart, "_end_requests", lambda engine: None)
+    server, first, new = _replacing(monkeypatch, calls, restarts=2)
     a, b = restart._Request(None, None, "a"), restart._Request(None, None, "b")
     a.engine = b.engine = first
     server._requests |= {a, b}
@@ -288,11 +296,6 @@ def test_a_new_engine_with_no_request_waiting_is_not_held(monkeypatch):
     import asyncio
 
     calls: list[tuple[str, float]] = []
-    first, new = engine_of(1), _holdable(engine_of(2), calls)
-    engines = iter([first, new])
-    server = restart.RestartingEngine(lambda primary: next(engines),
-                                      RecoveryConfig(max_restarts=1))
-    monkeypatch.setattr(server, "_end_dead", lambda engine: None)
-    monkeypatch.setattr(restart, "_end_requests", lambda engine: None)
+    server, first, new = _replacing(monkeypatch, calls)
     assert asyncio.run(server._replaced(first)) is True
     assert calls == [] and server._engine is new
