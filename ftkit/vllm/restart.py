@@ -548,6 +548,10 @@ async def _hold(engine: Any) -> bool:
                                HOLD_CALL_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the resumes then go in one by one, as before
         log.warning("ftkit: the new engine could not be held for the resumed requests: %r", exc)
+        try:  # a pause that reached the engine core all the same must not stay
+            await asyncio.wait_for(engine.resume_generation(), HOLD_CALL_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - an engine that answers neither is a dead one
+            log.error("ftkit: the new engine answers neither its pause nor its resume")
         return False
     return True
 

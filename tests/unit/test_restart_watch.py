@@ -299,3 +299,26 @@ def test_a_new_engine_with_no_request_waiting_is_not_held(monkeypatch):
     server, first, new = _replacing(monkeypatch, calls)
     assert asyncio.run(server._replaced(first)) is True
     assert calls == [] and server._engine is new
+
+
+def test_a_hold_that_fails_is_undone_and_the_resumes_go_in_unheld(monkeypatch):
+    """A pause that times out may still have reached the engine core: it is resumed at once
+    (crippled: left, the new engine would never schedule a request), and the replacement
+    goes on without the hold."""
+    import asyncio
+
+    calls: list[tuple[str, float]] = []
+    server, first, new = _replacing(monkeypatch, calls)
+
+    async def slow_pause(*, mode: str, clear_cache: bool) -> None:
+        calls.append(("pause", time.monotonic()))
+        await asyncio.sleep(10)
+
+    new.pause_generation = slow_pause
+    monkeypatch.setattr(restart, "HOLD_CALL_TIMEOUT_S", 0.2)
+    waiting = restart._Request(None, None, "a")
+    waiting.engine = first
+    server._requests.add(waiting)
+    assert asyncio.run(server._replaced(first)) is True
+    assert [c for c, _ in calls] == ["pause", "resume"] and server._engine is new
+    assert not server._ending  # no hold to end
