@@ -118,7 +118,9 @@ class RestartingEngine:
         self._watcher: asyncio.Future[None] | None = None
         #: The requests in flight (``generate``).
         self._requests: set[_Request] = set()
-        #: Dead engines being ended behind a standby that took over (``_end_dead_behind``).
+        #: A replacement's work left behind it, cancelled at shutdown: a dead engine being
+        #: ended behind a standby that took over (``_end_dead_behind``), a new engine's held
+        #: scheduler to let go (``_let_go``).
         self._ending: set[asyncio.Future[None]] = set()
         #: Seconds each replacement took, from the death seen to the new engine ready.
         self.restart_seconds: list[float] = []
@@ -376,10 +378,7 @@ class RestartingEngine:
                 await asyncio.sleep(0.005)
             await asyncio.sleep(0.005)  # (their requests' sends to the engine core)
         finally:
-            try:
-                await asyncio.wait_for(engine.resume_generation(), HOLD_CALL_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - an engine that died meanwhile is replaced
-                log.error("ftkit: the new engine's scheduler could not be resumed: %r", exc)
+            await _resume(engine)
 
     # --- the warm standby -------------------------------------------------------------------
 
@@ -548,12 +547,17 @@ async def _hold(engine: Any) -> bool:
                                HOLD_CALL_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the resumes then go in one by one, as before
         log.warning("ftkit: the new engine could not be held for the resumed requests: %r", exc)
-        try:  # a pause that reached the engine core all the same must not stay
-            await asyncio.wait_for(engine.resume_generation(), HOLD_CALL_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - an engine that answers neither is a dead one
-            log.error("ftkit: the new engine answers neither its pause nor its resume")
+        await _resume(engine)  # a pause that reached the engine core all the same must not stay
         return False
     return True
+
+
+async def _resume(engine: Any) -> None:
+    """Resume ``engine``'s scheduler (after ``_hold``), within ``HOLD_CALL_TIMEOUT_S``."""
+    try:
+        await asyncio.wait_for(engine.resume_generation(), HOLD_CALL_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - an engine that died meanwhile is replaced
+        log.error("ftkit: the new engine's scheduler could not be resumed: %r", exc)
 
 
 def _mark_dead(engine: Any) -> None:
