@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -47,6 +48,7 @@ from ftkit.backends.base import (
     MemoryFault,
 )
 from ftkit.kinds.base import any_kind
+from ftkit.errors import FtkitError
 from ftkit.faults import CommunicationStopped, ForceStopError, OperatorTimeout
 from ftkit.bounds import COLLECTIVE_STOP_SLICE_S, COLLECTIVE_TIMEOUT_S
 
@@ -230,6 +232,45 @@ class CpuBackend(EmulatedFaultModel):
                 raise OperatorTimeout(f"rank {self.rank}: {op} timed out after {bound:g} s: "
                                       "a peer never joined")
 
+    # --- a pipeline stage's transfers ------------------------------------------------------
+
+    def send_tensor_dict(self, group: CommGroup, tensor_dict: dict[str, Any], dst: int) -> None:
+        """Send ``tensor_dict`` to rank ``dst`` of ``group`` (its index in ``group.ranks``),
+        a group of two ranks: what the tensors are (a fixed-size header), then the tensors,
+        each a broadcast from this rank over the group's current gloo group, waited for like
+        any collective (``run_collective``). Not gloo's point-to-point calls: a wait for one
+        of those that times out closes the connection, so it cannot be waited in slices."""
+        keys, tensors = [], []
+        for key, value in tensor_dict.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"ftkit sends only tensors between pipeline stages, not "
+                                f"{key}={type(value).__name__}")
+            keys.append(key)
+            tensors.append(value.contiguous())
+        header = _header([(k, tuple(t.shape), t.dtype) for k, t in zip(keys, tensors)])
+        self._transfer(group, dst, self.rank, [header, *tensors])
+
+    def recv_tensor_dict(self, group: CommGroup, src: int) -> dict[str, torch.Tensor]:
+        """Receive what ``send_tensor_dict`` on rank ``src`` of ``group`` sent."""
+        header = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
+        self._transfer(group, src, group.ranks[src], [header])
+        tensors = {key: torch.empty(shape, dtype=dtype)
+                   for key, shape, dtype in _read_header(header)}
+        self._transfer(group, src, group.ranks[src], list(tensors.values()))
+        return tensors
+
+    def _transfer(self, group: CommGroup, peer: int, source: int,
+                  tensors: list[torch.Tensor]) -> None:
+        if len(group.ranks) != 2:
+            raise FtkitError(f"ftkit's CPU backend transfers between pipeline stages in "
+                             f"groups of two ranks, not {len(group.ranks)}")
+        pg = group.current_groups()[0]
+        for tensor in tensors:
+            if tensor.numel():
+                self.run_collective("send" if source == self.rank else "recv",
+                                    lambda t=tensor: dist.broadcast(t, src=source, group=pg,
+                                                                    async_op=True))
+
     def transport_counts(self) -> dict[str, int]:
         """Collectives run so far, by ``<operation>/<path>`` (``all_reduce/shm`` ...)."""
         return {f"{op}/{path}": n for (op, path), n in sorted(self.paths.items())}
@@ -290,3 +331,25 @@ class CpuBackend(EmulatedFaultModel):
         self._generation += 1
         self._open_segments()
         self.faults.repaired_links()
+
+
+#: The size of the header a pipeline transfer starts with: the keys, shapes and dtypes of its
+#: tensors, pickled (two or three activations take about 200 bytes).
+_HEADER_BYTES = 4096
+
+
+def _header(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> torch.Tensor:
+    data = pickle.dumps(layout)
+    if len(data) > _HEADER_BYTES - 4:
+        raise ValueError(f"ftkit: a pipeline transfer of {len(layout)} tensors does not fit "
+                         f"its {_HEADER_BYTES}-byte header")
+    header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
+    header[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+    header[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return header
+
+
+def _read_header(header: torch.Tensor) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    raw = header.numpy().tobytes()
+    size = int.from_bytes(raw[:4], "little")
+    return pickle.loads(raw[4:4 + size])

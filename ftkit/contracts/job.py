@@ -69,7 +69,7 @@ class EngineJob:
         recovery = None
         if self.recovery is not None:
             recovery = self.recovery.replace(max_reinference=0, event_log_dir=None).to_mapping()
-            if self.engine.tensor_parallel_size > 1:  # (vLLM bounds a step only there)
+            if self.engine.world_size > 1:  # (vLLM bounds a step only there)
                 recovery["step_bound_s"] = self.recovery.step_bound().needed_s
         return json.dumps({"engine": self.engine.model_dump(mode="json"), "recovery": recovery,
                            "multiprocess": self.multiprocess}, sort_keys=True)

@@ -32,10 +32,10 @@ if TYPE_CHECKING:
 
 
 def needs_a_peer(at: Loc, fault: FaultSpec, params: Any, scenario: Scenario) -> list[Problem]:
-    world_size = scenario.engine.tensor_parallel_size
-    if world_size < 2:
-        return [(at + ("kind",), f"link faults need tensor_parallel_size >= 2 "
-                                 f"(engine.tensor_parallel_size is {world_size})")]
+    if scenario.engine.world_size < 2:
+        return [(at + ("kind",), f"link faults need a peer: tensor_parallel_size or "
+                                 f"pipeline_parallel_size >= 2 (engine.tensor_parallel_size "
+                                 f"is {scenario.engine.tensor_parallel_size})")]
     return []
 
 

@@ -154,7 +154,8 @@ class Decision:
     #: Fault kinds reported as own faults in this round (for device recovery and records).
     kinds: tuple[str, ...] = ()
     statuses: tuple[RankStatus, ...] = field(default=(), compare=False)
-    #: Set when a sampling RPC failed: the step every rank re-runs from its forward pass.
+    #: Set when a sampling RPC failed, or a forward pass that a peer completed: the step
+    #: every rank re-runs from its forward pass (``replay_point``).
     replay: Replay | None = None
 
     @property
@@ -239,13 +240,24 @@ def decide(statuses: Sequence[RankStatus], max_reinference: int) -> Decision:
 
 
 def replay_point(statuses: Sequence[RankStatus]) -> Replay | None:
-    """The step re-run from its forward pass: that of the earliest sampling RPC some rank
-    re-runs (its ``execute_model`` is the RPC just before it on every rank), or ``None``."""
+    """The step re-run from its forward pass on every rank, or ``None``: that of the earliest
+    sampling RPC some rank re-runs (its ``execute_model`` is the RPC just before it on every
+    rank); else the earliest ``execute_model`` some rank re-runs that a peer completed. A
+    pipeline stage completes its forward pass once it sent its activations, while the next
+    stage may fail in its own; a tensor-parallel rank may complete it (and sample) when its
+    peer failed after the step's last collective. Either way the peer's forward pass is run
+    again with the failed one, and their transfers pair up."""
     sampling = [s for s in statuses if s.reruns and s.rpc_kind is RpcKind.SAMPLE]
-    if not sampling:
+    if sampling:
+        first = min(sampling, key=lambda s: s.rpc)
+        return Replay(rpc=first.rpc - 1, step=first.step)
+    forwards = [s for s in statuses if s.reruns and s.rpc_kind is RpcKind.EXECUTE]
+    if not forwards:
         return None
-    first = min(sampling, key=lambda s: s.rpc)
-    return Replay(rpc=first.rpc - 1, step=first.step)
+    first = min(forwards, key=lambda s: s.rpc)
+    if any(s.rpc > first.rpc or (not s.reruns and s.rpc == first.rpc) for s in statuses):
+        return Replay(rpc=first.rpc, step=first.step)
+    return None
 
 
 def _reaches(s: RankStatus, replay: Replay) -> bool:

@@ -130,7 +130,7 @@ class ScenarioRunner:
             prompts=tuple(scenario.prompts()), recovery=recovery, plan=plan,
             max_restarts=max_restarts,
             # Said explicitly, so that jobs that get the same engine share it.
-            multiprocess=multiprocess or scenario.engine.tensor_parallel_size > 1)
+            multiprocess=multiprocess or scenario.engine.world_size > 1)
         key = self._last_key = job.engine_key()
         if fresh_engine or key in self._suspect:
             self._suspect.discard(key)

@@ -132,6 +132,20 @@ class EngineSpec(_Strict):
         return value if ok else 1
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        """The pipeline stages ``args`` ask for (vLLM's ``pipeline_parallel_size``; 1 when not
+        given, or not a positive integer: validation says so)."""
+        value = self.args.get("pipeline_parallel_size", 1)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return value if ok else 1
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of one engine: a tensor-parallel group per pipeline stage (vLLM numbers
+        rank ``t`` of stage ``s`` as ``s * tensor_parallel_size + t``)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def replicas(self) -> int:
         """The engines of a server's data parallelism (``data_parallel_size``); an offline
         engine runs one."""
@@ -139,9 +153,9 @@ class EngineSpec(_Strict):
 
     @property
     def ranks(self) -> int:
-        """Every rank a fault may name: the tensor-parallel ranks, times the replicas of a
-        server (rank ``r`` of replica ``i`` is ``i * tensor_parallel_size + r``)."""
-        return self.tensor_parallel_size * self.replicas
+        """Every rank a fault may name: an engine's ranks (``world_size``), times the
+        replicas of a server (rank ``r`` of replica ``i`` is ``i * world_size + r``)."""
+        return self.world_size * self.replicas
 
 
 class RandomPrompts(_Strict):

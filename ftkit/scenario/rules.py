@@ -151,8 +151,23 @@ def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
                                       f"the ranks of the replica that serves request "
                                       f"{fault.at.request} only)"))
     elif isinstance(fault.rank, int) and fault.rank >= world_size:
+        size = ("engine.tensor_parallel_size" if engine.pipeline_parallel_size == 1 else
+                "engine.tensor_parallel_size times engine.args.pipeline_parallel_size")
         found.append((at + ("rank",), f"rank {fault.rank} does not exist: the world size "
-                                      f"(engine.tensor_parallel_size) is {world_size}"))
+                                      f"({size}) is {world_size}"))
+    stages = engine.pipeline_parallel_size
+    if stages > 1 and fault.phase == "sample":
+        last = range((stages - 1) * engine.tensor_parallel_size, engine.world_size)
+        if fault.rank == "all" or (isinstance(fault.rank, int) and fault.rank not in last):
+            where = ("rank all includes stages that do not sample" if fault.rank == "all"
+                     else f"rank {fault.rank} is on pipeline stage "
+                          f"{fault.rank // engine.tensor_parallel_size} of {stages}, which "
+                          f"does not sample")
+            ranks = (f"rank {last.start}" if len(last) == 1 else
+                     f"ranks {last.start}-{last.stop - 1}")
+            found.append((at + ("phase",), f"{where}: only the last stage does ({ranks}); give "
+                                           f"phase forward or before, or a rank of the last "
+                                           f"stage"))
     # With no prompt source the workload rule already speaks; don't pile on.
     if n_requests and fault.at.request >= n_requests:
         found.append((at + ("at", "request"),
@@ -256,9 +271,6 @@ def _reproducibility_problems(scenario: Scenario) -> list[Problem]:
 #: value turns it on, what it turns on, and the value to set instead. The engine refuses them
 #: at start too (``ftkit.vllm.runner_state.check_supported``); validation says so earlier.
 _UNRECOVERABLE_ARGS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
-    ("pipeline_parallel_size", lambda v: _number(v) > 1,
-     "pipeline parallelism (its stages exchange activations by send/recv, which ftkit can "
-     "neither stop nor roll back with the step)", "set it to 1"),
     ("data_parallel_size", lambda v: _number(v) > 1,
      "data parallelism in an offline engine (its replicas need an all_gatherv that vLLM-CPU's "
      "communicator lacks)", "set it to 1, or serve a dense model's replicas "
@@ -293,6 +305,24 @@ def _engine_problems(scenario: Scenario) -> list[Problem]:
         found.append((("engine", "args", key),
                       f"ftkit's recovery does not support {what} yet: {fix} (or set "
                       f"recovery.enabled false to run without recovery)"))
+    if engine.pipeline_parallel_size > 1:
+        if engine.pipeline_parallel_size > 2:
+            found.append((("engine", "args", "pipeline_parallel_size"),
+                          f"ftkit's recovery does not support {engine.pipeline_parallel_size} "
+                          f"pipeline stages yet (it transfers activations between two): set "
+                          f"it to 2 or 1 (or set recovery.enabled false to run without "
+                          f"recovery)"))
+        if engine.tensor_parallel_size > 1:
+            found.append((("engine", "args", "pipeline_parallel_size"),
+                          "ftkit's recovery does not support pipeline parallelism with tensor "
+                          "parallelism yet (each stage's tensor-parallel group spans part of "
+                          "the ranks, and ftkit rebuilds only groups of every rank): set "
+                          "engine.tensor_parallel_size to 1 or pipeline_parallel_size to 1 "
+                          "(or set recovery.enabled false to run without recovery)"))
+        if engine.mode == "serve":
+            found.append((("engine", "args", "pipeline_parallel_size"),
+                          "ftkit's serving mode does not run pipeline parallelism yet: set "
+                          "it to 1, or use engine.mode offline"))
     return found
 
 
@@ -328,7 +358,7 @@ def _bounds_problems(scenario: Scenario) -> list[Problem]:
     from ftkit.faults import FaultKind
 
     recovery = scenario.recovery
-    if not recovery.enabled or scenario.engine.tensor_parallel_size < 2:
+    if not recovery.enabled or scenario.engine.world_size < 2:
         return []
     round_timeout_s = scenario_round_timeout_s(scenario.expect.timeout_s)
     engine = step_bound(failing_attempts=recovery.max_reinference, attempt_s=None,

@@ -19,6 +19,11 @@ class VllmGroup:
         self.ranks: list[int] = list(coordinator.ranks)
 
     @property
+    def coordinator(self) -> Any:
+        """vLLM's ``GroupCoordinator`` of this group."""
+        return self._coordinator
+
+    @property
     def communicator(self) -> Any:
         return self._coordinator.device_communicator
 

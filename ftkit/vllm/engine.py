@@ -71,7 +71,7 @@ class EngineSession:
         each engine a watchdog process that cleans up if this process dies without closing
         the session (off: what a killed owner leaves stays behind)."""
         self.spec = spec
-        self.multiprocess = spec.tensor_parallel_size > 1 if multiprocess is None else multiprocess
+        self.multiprocess = spec.world_size > 1 if multiprocess is None else multiprocess
         self.recovery = recovery
         self.llm: Any = None
         self.start_s = 0.0
@@ -116,7 +116,7 @@ class EngineSession:
             self._note_leftovers()
 
         try:
-            with engine_environment(self.spec.tensor_parallel_size, self.multiprocess,
+            with engine_environment(self.spec.world_size, self.multiprocess,
                                     tmp_dir, self.recovery) as self.execute_timeout, \
                     procs.polling(ENGINE_START_TRACK_S, look):
                 self.llm = LLM(**engine_args(self.spec, self.recovery))
@@ -330,7 +330,7 @@ class EngineSession:
         began may involve a peer that had already answered the first call. Each call is
         bounded by vLLM's bound on one step, which covers the step's recovery
         (``ExecuteTimeout``), and by ``deadline``."""
-        if self.recovery is None or self.spec.tensor_parallel_size < 2:
+        if self.recovery is None or self.spec.world_size < 2:
             return
         bound = float(self.execute_timeout.seconds if self.execute_timeout is not None
                       else VLLM_EXECUTE_TIMEOUT_DEFAULT_S)

@@ -105,8 +105,10 @@ class Host:
             self.session.reset_prefix_cache()
             return self.session, False
         self.close()
+        stages = job.engine.pipeline_parallel_size
         _say(HostMessage(Stage.ENGINE_START,
-                         f"tensor parallel {job.engine.tensor_parallel_size}"))
+                         f"tensor parallel {job.engine.tensor_parallel_size}"
+                         + (f", {stages} pipeline stages" if stages > 1 else "")))
         leftovers = str(self.work / LEFTOVERS_FILE) if self.work is not None else None
         self.session = EngineSession(job.engine, recovery=job.recovery,
                                      multiprocess=job.multiprocess, leftovers_file=leftovers)

@@ -46,6 +46,7 @@ def register() -> None:
     _hide_key_from_vllm_ascend()
     _raise_execute_timeout_as_executors_start()
     _restart_dead_engines_in_servers()
+    _one_step_in_flight_with_recovery()
     original = worker_base.WorkerBase.__init__
     if getattr(original, WRAPPED_MARK, False):
         return
@@ -132,6 +133,18 @@ def _raise_execute_timeout_as_executors_start() -> None:
     MultiprocExecutor._init_executor = _init_executor
 
 
+def _one_step_in_flight_with_recovery() -> None:
+    """An engine with recovery on keeps one step in flight, also with pipeline parallelism
+    (``ftkit.vllm.pipeline.one_step_in_flight``)."""
+    from ftkit.vllm.pipeline import one_step_in_flight
+
+    def recovery_enabled(vllm_config: Any) -> bool:
+        config = recovery_settings(vllm_config)
+        return config is not None and config.enabled
+
+    one_step_in_flight(recovery_enabled)
+
+
 def raise_execute_timeout_for(vllm_config: Any) -> int | None:
     """Raise vLLM's execute timeout for an engine of ``vllm_config`` if its recovery settings
     need it; the timeout set, or ``None``."""
@@ -203,6 +216,9 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     """Wrap ``worker``'s step methods if the config asks for ftkit; return the wrapper."""
     if getattr(worker, "_ftkit", None) is not None:
         return None
+    from ftkit.vllm.pipeline import allocate_cpu_eager_buffer
+
+    allocate_cpu_eager_buffer(worker, vllm_config)  # the CPU build's shim, recovery on or off
     config = recovery_settings(vllm_config)
     if config is None:
         return None

@@ -9,11 +9,13 @@ undoing that corrupts tokens silently, later, whenever the step allocated blocks
 No record is taken before ``execute_model``: its scheduler output says everything
 ``_update_states`` changes: the requests it introduces (``scheduled_new_reqs``) and, for each
 request it gives new KV blocks (``new_block_ids`` not ``None``, not resumed), the block ids it
-appends. Those are the only lists ``_update_states`` appends to on the last pipeline stage,
-which is every rank ftkit supports (``check_supported`` refuses pipeline parallelism): it
-appends output tokens only on earlier stages, and only ``sample_tokens`` appends them otherwise
-(a test pins this). The fault-free step therefore pays nothing here. Rollback, from the failed
-step's scheduler output,
+appends. Those are the only lists ``_update_states`` appends to on the last pipeline stage
+(every rank without pipeline parallelism): only ``sample_tokens`` appends output tokens there
+(a test pins this). An earlier stage appends the tokens the last one sampled, from the
+scheduler output's ``new_token_ids``, in ``_update_states``; idempotently (it appends only
+what the request does not have yet), so a re-run appends nothing, and the tokens stay
+through a rollback: they are the previous steps'. The fault-free step therefore pays nothing
+here. Rollback, from the failed step's scheduler output,
 
 
 * takes the step's block ids off the end of those lists *in place* (vLLM shares them between
@@ -46,8 +48,9 @@ loudly. A request that finished with the step is forgotten by the next step's
 ``_on_request_state_removed`` hook) until the next sampling, so that undoing that next step
 brings it back.
 
-Supported: the V1 runner without asynchronous scheduling, speculative decoding or pipeline
-parallelism; ``check_supported`` says so at start rather than corrupting a run.
+Supported: the V1 runner without asynchronous scheduling or speculative decoding, with at most
+two pipeline stages of one rank each; ``check_supported`` says so at start rather than
+corrupting a run.
 """
 
 from __future__ import annotations
@@ -117,11 +120,23 @@ def config_problems(runner: Any) -> list[str]:
         problems.append("asynchronous scheduling is on (set async_scheduling=False; "
                         "vllm serve --no-async-scheduling)")
     parallel = getattr(runner, "parallel_config", None)
-    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
-        problems.append("pipeline parallelism is on (set pipeline_parallel_size=1; "
-                        "vllm serve without --pipeline-parallel-size): its stages exchange "
-                        "activations by send/recv, which ftkit can neither stop nor roll "
-                        "back with the step")
+    stages = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if stages > 1 and int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
+        problems.append("pipeline parallelism with tensor parallelism is on (set "
+                        "pipeline_parallel_size=1 or tensor_parallel_size=1; vllm serve "
+                        "without --pipeline-parallel-size or --tensor-parallel-size): each "
+                        "stage's tensor-parallel group spans part of the ranks, and ftkit "
+                        "rebuilds only groups of every rank yet")
+    if stages > 2:
+        problems.append(f"pipeline parallelism of {stages} stages is on (set "
+                        f"pipeline_parallel_size to 2 or 1; vllm serve with "
+                        f"--pipeline-parallel-size 2 or without it): ftkit transfers "
+                        f"activations between two stages only, yet")
+    device = getattr(runner, "device", None)
+    if stages > 1 and getattr(device, "type", "cpu") != "cpu":
+        problems.append(f"pipeline parallelism is on (set pipeline_parallel_size=1; vllm "
+                        f"serve without --pipeline-parallel-size): ftkit stops a stage's "
+                        f"send/recv on vLLM's CPU build only, not on {device.type} yet")
     if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
         # (vLLM runs each replica of a dense model as an engine of its own, of data-parallel
         # size 1, which ftkit recovers like any engine: only coupled replicas get here.)

@@ -201,8 +201,13 @@ class FtkitWorker:
         state = V1RunnerState(runner, rng=self.backend, on_kv_recomputed=self._record_kv)
         if world > 1:
             from ftkit.vllm.comms import vllm_groups
+            from ftkit.vllm.pipeline import take_over_stage_transfers
 
-            self.backend.take_over(vllm_groups())
+            groups = vllm_groups()
+            self.backend.take_over(groups)
+            for group in groups:
+                if group.name == "pp":
+                    take_over_stage_transfers(group, group.coordinator, self.backend)
         self.injector = Injector(
             self.served_rank, self.events, token_indices=state.output_token_indices,
             device=self.backend if hasattr(self.backend, "force_stop") else None,

@@ -89,7 +89,7 @@ def test_the_named_settings_exist_in_this_vllm():
 
 
 @pytest.mark.parametrize("setting, value, named", [
-    ("pipeline_parallel_size", 2, "--pipeline-parallel-size"),
+    ("pipeline_parallel_size", 2, "--pipeline-parallel-size"),  # (stages of 2 ranks)
     ("data_parallel_size", 2, "--data-parallel-size"),
     ("enable_expert_parallel", True, "--enable-expert-parallel"),
 ])
@@ -98,7 +98,8 @@ def test_parallelism_recovery_cannot_handle_is_refused_with_the_argument_and_the
     from vllm.config import ParallelConfig
 
     assert setting in ParallelConfig.__dataclass_fields__  # vLLM's own name
-    message = refusal(v1_runner(parallel_config=SimpleNamespace(**{setting: value})))
+    message = refusal(v1_runner(parallel_config=SimpleNamespace(
+        **{setting: value}, tensor_parallel_size=2)))
     assert f"{setting}=" in message and named in message
     check_supported(v1_runner(parallel_config=SimpleNamespace(
         pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False)))

@@ -119,15 +119,30 @@ def test_sample_rerun_behind_a_peer_stopped_at_next_execute_recomputes():
     assert d.recompute, d.reason
 
 
-def test_execute_rerun_behind_a_peer_at_next_rpc_raises_out_of_step():
-    # Rank 0 would re-run the collectives of execute RPC 10 that rank 1 has already passed
-    # (and sampled after them): no sampling RPC failed, so nobody re-runs from a forward.
-    d = decide([failed(0, 10, rpc_kind=EXECUTE), completed(1, 11, rpc_kind=SAMPLE)],
+@pytest.mark.parametrize("peer", [
+    completed(1, 11, rpc_kind=SAMPLE),   # passed the forward's collectives, and sampled
+    idle(1, 11),                         # the same, waiting for the next RPC
+    idle(1, 10, rpc_kind=EXECUTE),       # a pipeline stage that sent its activations
+    completed(1, 10),                    # the same, while the round was pending
+])
+def test_an_execute_rerun_that_a_peer_completed_reruns_the_step_from_its_forward(peer):
+    # Rank 0 would re-run execute RPC 10, which rank 1 completed: a pipeline stage does once
+    # it sent its activations (the next stage fails in its own forward), a tensor-parallel
+    # rank when its peer failed after the step's last collective. Every rank re-runs step 10
+    # from its forward pass, so that the transfers pair up again. (Before: refused as out of
+    # step, which ended every pipeline run at its first fault on the last stage.)
+    d = decide([failed(0, 10, rpc_kind=EXECUTE), peer], max_reinference=3)
+    assert d.recompute, d.reason
+    assert d.replay == Replay(rpc=10, step=10)
+    assert "re-runs step 10 from its forward pass" in d.reason
+
+
+def test_an_execute_rerun_beyond_what_a_peer_can_undo_is_out_of_step():
+    d = decide([failed(0, 10, rpc_kind=EXECUTE), completed(1, 13, rpc_kind=SAMPLE)],
                max_reinference=3)
     assert d.action is Action.RAISE
     assert d.cause is Cause.OUT_OF_STEP and d.error is RecoveryInconsistent
-    assert "out of step" in d.reason
-    assert "rank 0" in d.reason and "RPC 10" in d.reason and "RPC 12" in d.reason
+    assert "beyond what it can undo" in d.reason and "rank 1" in d.reason
 
 
 @pytest.mark.parametrize("behind, named", [

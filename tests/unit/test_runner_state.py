@@ -221,10 +221,21 @@ def test_completed_prompt_logprobs_bookkeeping_is_undone():
     assert a.output_token_ids == []
 
 
-def test_pipeline_parallelism_is_refused_at_start():
+@pytest.mark.parametrize(("stages", "tp", "device", "refused"), [
+    (2, 1, "cpu", None),
+    (2, 2, "cpu", "pipeline parallelism with tensor parallelism"),
+    (3, 1, "cpu", "pipeline parallelism of 3 stages"),
+    (2, 1, "cuda", "not on cuda yet"),
+])
+def test_pipeline_parallelism_is_refused_at_start_where_not_recovered(stages, tp, device,
+                                                                      refused):
     r = runner({}, Batch([], []))
-    r.parallel_config = SimpleNamespace(pipeline_parallel_size=2)
-    with pytest.raises(FtkitError, match="pipeline_parallel_size=1"):
+    r.parallel_config = SimpleNamespace(pipeline_parallel_size=stages, tensor_parallel_size=tp)
+    r.device = SimpleNamespace(type=device)
+    if refused is None:
+        check_supported(r)
+        return
+    with pytest.raises(FtkitError, match=refused):
         check_supported(r)
 
 

@@ -356,7 +356,8 @@ def test_link_faults_need_two_ranks(tmp_path):
     text = replace_line(text, 12, "    rank: 0")
     [(line, field, message)] = problems(write(tmp_path, text))
     assert (line, field) == (11, "faults[0].kind")
-    assert message.startswith("link faults need tensor_parallel_size >= 2")
+    assert message.startswith("link faults need a peer: tensor_parallel_size or "
+                              "pipeline_parallel_size >= 2")
 
 
 def test_rank_beyond_the_world_size_names_it(tmp_path):

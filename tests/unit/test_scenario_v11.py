@@ -406,7 +406,7 @@ def test_a_process_kill_with_any_request_feature_validates(sampling):
 
 
 @pytest.mark.parametrize("arg, value, fix", [
-    ("pipeline_parallel_size", "2", "set it to 1"),
+    ("pipeline_parallel_size", "3", "set it to 2 or 1"),
     ("data_parallel_size", "2",
      "set it to 1, or serve a dense model's replicas (engine.mode serve)"),
     ("enable_expert_parallel", "true", "set it to false"),
@@ -427,6 +427,41 @@ def test_engine_args_that_recovery_cannot_recover_are_refused(arg, value, fix):
                                         ("speculative_config", "null")])
 def test_engine_args_that_turn_nothing_on_are_accepted(arg, value):
     load(f"engine:\n  args:\n    {arg}: {value}\n" + BASE)
+
+
+def test_two_pipeline_stages_of_one_rank_validate_and_count_as_two_ranks():
+    text = "engine:\n  args:\n    pipeline_parallel_size: 2\n" + BASE
+    scenario = load(text.replace("    rank: 0", "    rank: 1"))
+    assert scenario.engine.world_size == 2 and scenario.engine.ranks == 2
+    [(line, field, message)] = errors(text.replace("    rank: 0", "    rank: 2"))
+    assert field == "faults[0].rank" and "pipeline_parallel_size) is 2" in message
+
+
+@pytest.mark.parametrize("engine, fix", [
+    ("  tensor_parallel_size: 2\n  args:\n    pipeline_parallel_size: 2\n",
+     "set engine.tensor_parallel_size to 1 or pipeline_parallel_size to 1"),
+    ("  mode: serve\n  args:\n    pipeline_parallel_size: 2\n", "set it to 1, or use "
+                                                                 "engine.mode offline"),
+])
+def test_pipeline_stages_recovery_cannot_handle_yet_are_refused(engine, fix):
+    [(line, field, message)] = errors("engine:\n" + engine + BASE)
+    assert field == "engine.args.pipeline_parallel_size" and fix in message
+
+
+@pytest.mark.parametrize("rank, refused", [
+    (0, "rank 0 is on pipeline stage 0 of 2, which does not sample"),
+    ("all", "rank all includes stages that do not sample"),
+    (1, None),
+])
+def test_a_sampling_fault_names_a_rank_of_the_last_pipeline_stage(rank, refused):
+    text = ("engine:\n  args:\n    pipeline_parallel_size: 2\n" + BASE
+            + "    phase: sample\n").replace("    rank: 0", f"    rank: {rank}")
+    if refused is None:
+        load(text)
+        return
+    [(line, field, message)] = errors(text)
+    assert field == "faults[0].phase" and refused in message
+    assert "only the last stage does (rank 1)" in message
 
 
 def test_engine_features_reach_vllm_through_engine_args():

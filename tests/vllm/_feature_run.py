@@ -143,6 +143,19 @@ kv_recompute._prefilled = lambda req_id, prompt_token_ids, prompt_embeds: 1 << 3
 from ftkit.vllm import kv_recompute
 kv_recompute.ResumedPrefill.rewrite = lambda self, scheduler_output: (scheduler_output, [])
 """, [("ftkit.vllm.kv_recompute", "ResumedPrefill", "rewrite")]),
+    # A forward pass that a peer completed is not re-run with the failed one: only a failed
+    # sampling makes every rank re-run its step (as before pipeline parallelism).
+    "no_forward_replay": ("""\
+from ftkit.contracts.step import RpcKind
+from ftkit.recovery import coordinator
+def _sampling_replay_only(statuses):
+    sampling = [s for s in statuses if s.reruns and s.rpc_kind is RpcKind.SAMPLE]
+    if not sampling:
+        return None
+    first = min(sampling, key=lambda s: s.rpc)
+    return coordinator.Replay(rpc=first.rpc - 1, step=first.step)
+coordinator.replay_point = _sampling_replay_only
+""", [("ftkit.recovery.coordinator", None, "replay_point")]),
     # Weights hit by a memory error are not reloaded.
     "no_reload": ("""\
 from ftkit.vllm import memory
