@@ -204,9 +204,14 @@ class FtkitWorker:
             from ftkit.vllm.pipeline import take_over_stage_transfers
 
             groups = vllm_groups()
+            stages = [g for g in groups if g.name == "pp"]
+            if not self.config.enabled:
+                # Nothing to stop: the pipeline's transfers stay vLLM's (and any pipeline
+                # vLLM runs, runs).
+                groups = [g for g in groups if g.name != "pp"]
             self.backend.take_over(groups)
-            for group in groups:
-                if group.name == "pp":
+            if self.config.enabled:
+                for group in stages:
                     take_over_stage_transfers(group, group.coordinator, self.backend)
         self.injector = Injector(
             self.served_rank, self.events, token_indices=state.output_token_indices,
