@@ -38,6 +38,9 @@ COLLECTIVE_STOP_SLICE_S = 0.005
 COLLECTIVE_TIMEOUT_S = DEFAULT_OP_TIMEOUT_S
 #: The monitor's wait for a fault announcement wakes up this often only to notice a shutdown.
 MONITOR_WAKE_S = 60.0
+#: While an idle rank re-runs a step in its monitor thread, the watch for a further round looks
+#: this often whether one was announced (and whether the re-run is over).
+ROUND_WATCH_SLICE_S = 0.05
 #: Default bound on every wait inside one recovery round (peers reporting, rebuild, done).
 DEFAULT_ROUND_TIMEOUT_S = 30.0
 #: A step waits at the gate at most this many round timeouts for a round the monitor runs:

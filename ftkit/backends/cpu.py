@@ -166,7 +166,9 @@ class CpuBackend(EmulatedFaultModel):
             return
         for g in self._groups:
             _, device_group = g.current_groups()
-            key = f"ftkit/shm/{g.name}/{self._generation}"
+            # (Sibling groups, such as each stage's tensor-parallel group, share a name.)
+            members = ".".join(str(r) for r in g.ranks)
+            key = f"ftkit/shm/{g.name}-{members}/{self._generation}"
             self._shm[id(device_group)] = shm.rendezvous(
                 self._store, key, g.ranks.index(self.rank), len(g.ranks),
                 stopped=self._stopped.is_set, timeout_s=self._collective_timeout_s,
@@ -318,14 +320,20 @@ class CpuBackend(EmulatedFaultModel):
             gc.collect(OOM_GC_GENERATION)
 
     def rebuild_communicators(self, timeout_s: float, kinds: tuple[str, ...] = ()) -> None:
+        timeout = timedelta(seconds=timeout_s)
         for g in self._groups:
             old_cpu, old_dev = g.current_groups()
             for pg in {id(old_cpu): old_cpu, id(old_dev): old_dev}.values():
                 abort_quietly(pg)
-            timeout = timedelta(seconds=timeout_s)
-            new_cpu = dist.new_group(g.ranks, backend="gloo", timeout=timeout)
-            new_dev = new_cpu if old_dev is old_cpu else dist.new_group(
-                g.ranks, backend="gloo", timeout=timeout)
+            # Creating a group is collective over the world: every rank creates every sibling
+            # of a group of part of it (each stage's tensor-parallel group), in one order, and
+            # keeps its own.
+            for ranks in getattr(g, "siblings", [g.ranks]):
+                cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                dev = cpu if old_dev is old_cpu else dist.new_group(
+                    ranks, backend="gloo", timeout=timeout)
+                if list(ranks) == list(g.ranks):
+                    new_cpu, new_dev = cpu, dev
             g.replace_groups(new_cpu, new_dev)
         self._stopped.clear()
         self._generation += 1

@@ -46,7 +46,7 @@ from ftkit.faults import FaultKind, classify, is_peer_stop
 from ftkit.errors import RecoveryInconsistent
 from ftkit.recovery.coordinator import Decision, RankState, RankStatus
 from ftkit.recovery.damage import Repair
-from ftkit.recovery.monitor import RecoveryMonitor
+from ftkit.recovery.monitor import IdleReplayStopped, RecoveryMonitor
 
 log = logging.getLogger("ftkit")
 
@@ -124,6 +124,8 @@ class StepWrapper:
         self._calls: dict[RpcKind, Callable[[Any], Any]] = {}
         #: Recovery rounds seen when the persistent batch was last laid out afresh.
         self._layout_epoch = 0
+        #: (the RPC it was in, the last RPC to run) of an idle re-run a further round stopped.
+        self._idle_stopped: tuple[int, int] | None = None
         monitor.replay_when_idle = self.replay_when_idle
 
     def hooks_changed(self) -> None:
@@ -287,23 +289,43 @@ class StepWrapper:
     def replay_when_idle(self, decision: Decision, status: RankStatus) -> None:
         """(Monitor thread, gate held, main thread between RPCs.) This idle rank's part of a
         re-run from a forward pass: undo the RPCs it completed since that step's
-        ``execute_model`` and run them again; the engine already has their output."""
-        replay = decision.replay
-        if replay is None or status.rpc < replay.rpc:
-            return
-        log.warning("ftkit: rank %d (idle after RPC %d) re-runs step %d from its forward pass",
-                    self.rank, status.rpc, replay.step)
+        ``execute_model`` and run them again; the engine already has their output.
+
+        A further round may stop the re-run (a peer failed again in it): this raises
+        ``IdleReplayStopped`` with the status to report, and keeps where it was. Called again
+        after that round, it undoes the stopped attempt (and what the round's own re-run
+        point needs) and runs on to the RPC the engine had seen, whatever that round
+        decided to re-run."""
+        stopped, self._idle_stopped = self._idle_stopped, None
+        if stopped is not None:
+            at, end = stopped
+            start = self._rewind(decision, at, failed=True)
+        else:
+            replay = decision.replay
+            if replay is None or status.rpc < replay.rpc:
+                return
+            log.warning("ftkit: rank %d (idle after RPC %d) re-runs step %d from its forward "
+                        "pass", self.rank, status.rpc, replay.step)
+            end = status.rpc
+            start = self._rewind(decision, end, failed=False)
         state = self.state
-        for rpc in range(self._rewind(decision, status.rpc, failed=False), status.rpc + 1):
+        for rpc in range(start, end + 1):
             kind, step, arg, _ = self._kept(rpc)
             call = self._calls[kind]
             if kind is _SAMPLE:
                 self._renew_sample_record(rpc)
             for hook in self._attempt_hooks:
                 hook.on_attempt(kind, step, 1, arg)
-            if kind is _EXECUTE and state.repair_pending:
-                state.before_attempt(arg, call)
-            call(arg)
+            try:
+                if kind is _EXECUTE and state.repair_pending:
+                    state.before_attempt(arg, call)
+                call(arg)
+            except Exception as exc:
+                if not self.is_stop_error(exc):
+                    raise
+                self._idle_stopped = (rpc, end)
+                raise IdleReplayStopped(dataclasses.replace(
+                    self._status(kind, 1, exc), rpc=rpc, step=step)) from exc
 
     def _renew_sample_record(self, rpc: int) -> None:
         """Before sampling RPC ``rpc`` runs again: its record anew, as its first run took it.

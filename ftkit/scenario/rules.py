@@ -312,13 +312,6 @@ def _engine_problems(scenario: Scenario) -> list[Problem]:
                           f"pipeline stages yet (it transfers activations between two): set "
                           f"it to 2 or 1 (or set recovery.enabled false to run without "
                           f"recovery)"))
-        if engine.tensor_parallel_size > 1:
-            found.append((("engine", "args", "pipeline_parallel_size"),
-                          "ftkit's recovery does not support pipeline parallelism with tensor "
-                          "parallelism yet (each stage's tensor-parallel group spans part of "
-                          "the ranks, and ftkit rebuilds only groups of every rank): set "
-                          "engine.tensor_parallel_size to 1 or pipeline_parallel_size to 1 "
-                          "(or set recovery.enabled false to run without recovery)"))
         if engine.mode == "serve":
             found.append((("engine", "args", "pipeline_parallel_size"),
                           "ftkit's serving mode does not run pipeline parallelism yet: set "

@@ -17,6 +17,10 @@ class VllmGroup:
         self.name = name
         self._coordinator = coordinator
         self.ranks: list[int] = list(coordinator.ranks)
+        #: Every group of this kind, this one among them (the tensor-parallel group of each
+        #: pipeline stage): a rebuild creates them all, on every rank, in this order.
+        self.siblings: list[list[int]] = [list(r) for r in
+                                          getattr(coordinator, "group_ranks", [self.ranks])]
 
     @property
     def coordinator(self) -> Any:
@@ -42,8 +46,10 @@ class VllmGroup:
 def vllm_groups() -> list[VllmGroup]:
     """The distinct multi-rank groups of this rank, in a fixed order.
 
-    Only groups that span the whole world are supported: rebuilding a group is collective over
-    the world, and a rank cannot recreate a peer group it does not belong to.
+    A group of part of the world (a pipeline stage's tensor-parallel group) is supported where
+    vLLM says what its siblings are (``GroupCoordinator.group_ranks``, which cover the world):
+    creating a group is collective over the world, so a rebuild creates every sibling on every
+    rank, in the same order.
     """
     import torch.distributed as dist
     from vllm.distributed import parallel_state
@@ -56,10 +62,12 @@ def vllm_groups() -> list[VllmGroup]:
         if coordinator is None or id(coordinator) in seen or coordinator.world_size <= 1:
             continue
         seen.add(id(coordinator))
-        if coordinator.world_size != world:
+        group = VllmGroup(name.strip("_").lower(), coordinator)
+        covered = sorted(rank for ranks in group.siblings for rank in ranks)
+        if coordinator.world_size != world and covered != list(range(world)):
             raise FtkitError(
-                f"ftkit recovery supports tensor parallelism over the whole job; group "
-                f"{name.strip('_').lower()} has {coordinator.world_size} of {world} ranks "
-                "(pipeline, data or expert parallelism are not supported yet)")
-        groups.append(VllmGroup(name.strip("_").lower(), coordinator))
+                f"ftkit recovery rebuilds groups that, with their siblings, cover the job; "
+                f"group {group.name} has {coordinator.world_size} of {world} ranks and its "
+                f"siblings cover ranks {covered}")
+        groups.append(group)
     return groups

@@ -6,9 +6,12 @@ the same step RPCs; a stage after the first receives the previous stage's activa
 (``get_pp_group().irecv_tensor_dict``) before its forward pass, a stage before the last sends
 its own (``isend_tensor_dict``) after it. Only the last stage computes logits and samples; the
 first learns the sampled tokens from the next step's scheduler output (``new_token_ids``, which
-``_update_states`` applies idempotently: a re-run of the step appends nothing). Every stage is
-a rank of the world, so a recovery round spans all stages as it spans tensor-parallel ranks,
-and a re-run step runs its transfers again on every stage.
+``_update_states`` applies idempotently: a re-run of the step appends nothing). Every rank of
+every stage is a rank of the world, so a recovery round spans all stages as it spans
+tensor-parallel ranks, and a re-run step runs its transfers again on every stage. With
+tensor parallelism each rank sends to its counterpart in the next stage (the pipeline groups
+are pairs of ranks); each stage's tensor-parallel group is one of sibling groups that a
+rebuild creates together (``ftkit.vllm.comms``).
 
 * **Transfers a stop can end.** vLLM's CPU build sends through its C++ shared-memory channel,
   which spins until the peer comes and cannot be interrupted; elsewhere through

@@ -121,15 +121,9 @@ def config_problems(runner: Any) -> list[str]:
                         "vllm serve --no-async-scheduling)")
     parallel = getattr(runner, "parallel_config", None)
     stages = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
-    if stages > 1 and int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
-        problems.append("pipeline parallelism with tensor parallelism is on (set "
-                        "pipeline_parallel_size=1 or tensor_parallel_size=1; vllm serve "
-                        "without --pipeline-parallel-size or --tensor-parallel-size): each "
-                        "stage's tensor-parallel group spans part of the ranks, and ftkit "
-                        "rebuilds only groups of every rank yet")
     if stages > 2:
         problems.append(f"pipeline parallelism of {stages} stages is on (set "
-                        f"pipeline_parallel_size to 2 or 1; vllm serve with "
+                        f"pipeline_parallel_size=2, or 1; vllm serve with "
                         f"--pipeline-parallel-size 2 or without it): ftkit transfers "
                         f"activations between two stages only, yet")
     device = getattr(runner, "device", None)

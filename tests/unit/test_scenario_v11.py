@@ -429,17 +429,17 @@ def test_engine_args_that_turn_nothing_on_are_accepted(arg, value):
     load(f"engine:\n  args:\n    {arg}: {value}\n" + BASE)
 
 
-def test_two_pipeline_stages_of_one_rank_validate_and_count_as_two_ranks():
+def test_two_pipeline_stages_validate_and_count_their_ranks():
     text = "engine:\n  args:\n    pipeline_parallel_size: 2\n" + BASE
     scenario = load(text.replace("    rank: 0", "    rank: 1"))
     assert scenario.engine.world_size == 2 and scenario.engine.ranks == 2
     [(line, field, message)] = errors(text.replace("    rank: 0", "    rank: 2"))
     assert field == "faults[0].rank" and "pipeline_parallel_size) is 2" in message
+    stages_of_two = text.replace("engine:\n", "engine:\n  tensor_parallel_size: 2\n")
+    assert load(stages_of_two.replace("    rank: 0", "    rank: 3")).engine.world_size == 4
 
 
 @pytest.mark.parametrize("engine, fix", [
-    ("  tensor_parallel_size: 2\n  args:\n    pipeline_parallel_size: 2\n",
-     "set engine.tensor_parallel_size to 1 or pipeline_parallel_size to 1"),
     ("  mode: serve\n  args:\n    pipeline_parallel_size: 2\n", "set it to 1, or use "
                                                                  "engine.mode offline"),
 ])

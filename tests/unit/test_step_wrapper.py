@@ -9,9 +9,10 @@ import pytest
 
 from ftkit.contracts.step import RpcKind
 from ftkit.errors import RecoveryError, RecoveryInconsistent, ReinferenceExhausted
-from ftkit.faults import LinkError
+from ftkit.faults import CommunicationStopped, LinkError
 from ftkit.recovery import Action, Cause, Decision, RankState, RankStatus, StepWrapper
 from ftkit.recovery.coordinator import Replay
+from ftkit.recovery.monitor import IdleReplayStopped
 
 
 class Gate:
@@ -310,6 +311,42 @@ def test_an_idle_rank_reruns_the_step_it_completed_in_its_monitor_thread():
     # A round that re-runs no forward needs nothing from an idle rank.
     state.log.clear()
     step.replay_when_idle(Decision(Action.RECOMPUTE, Cause.RERUN, "x"), RankStatus(0, RankState.IDLE, 3))
+    assert state.log == []
+
+
+def test_an_idle_rerun_a_further_round_stops_goes_on_from_where_it_stopped():
+    """The peer fails again in the forward this idle rank re-runs (a pipeline's next stage):
+    the stop ends the re-run with the status to report (stopped in RPC 1), and after that
+    round the rank undoes the stopped attempt and runs on to the RPC the engine had seen,
+    even where that round re-runs no forward of its own (the peer just runs RPC 1 again)."""
+    state = Journal()
+    stops = {"s1": 1}
+
+    def execute(batch: Any) -> Any:
+        state.log.append(f"run {batch}")
+        if stops.get(batch, 0) and len([x for x in state.log if x == f"run {batch}"]) == 2:
+            stops[batch] -= 1
+            raise CommunicationStopped("rank 0: stopped while blocked: a peer failed")
+        return None
+
+    _, sample = worker(state, {})
+    step = StepWrapper(rank=0, monitor=Gate(), state=state,  # type: ignore[arg-type]
+                       is_stop_error=lambda exc: isinstance(exc, CommunicationStopped))
+    step.execute_model(execute, "s1")
+    step.sample_tokens(sample, "g1")
+    with pytest.raises(IdleReplayStopped) as stopped:
+        step.replay_when_idle(replay_of(1), RankStatus(0, RankState.IDLE, 2))
+    report = stopped.value.status
+    assert (report.state, report.rpc, report.rpc_kind, report.step) == (
+        RankState.STOPPED, 1, RpcKind.EXECUTE, 1)
+    assert state.log == ["run s1", "run g1", "undo sample of s1", "undo s1", "run s1"]
+    state.log.clear()
+    step.replay_when_idle(Decision(Action.RECOMPUTE, Cause.RERUN, "rank 1 failed"), report)
+    assert state.log == ["undo s1", "run s1", "run g1"]
+    # Done: a later round that re-runs no forward needs nothing from it.
+    state.log.clear()
+    step.replay_when_idle(Decision(Action.RECOMPUTE, Cause.RERUN, "x"),
+                          RankStatus(0, RankState.IDLE, 2))
     assert state.log == []
 
 

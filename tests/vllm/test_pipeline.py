@@ -1,5 +1,6 @@
 """Pipeline parallelism: two stages (ranks 0 and 1, one tensor-parallel rank each) under every
-in-place fault kind on each stage, against a plain engine of one rank: tokens and logprobs.
+in-place fault kind on each stage, and two stages of two tensor-parallel ranks (ranks 0-1 and
+2-3) under faults on every rank, against a plain engine of one rank: tokens and logprobs.
 
 The first stage sends its activations to the second (``ftkit.vllm.pipeline``: through the
 backend, which a stop can interrupt); only the second samples. A fault on the second stage
@@ -8,10 +9,16 @@ round then re-runs that step from its forward pass on both stages
 (``coordinator.replay_point``), which the crippled run shows is needed: without it the first
 fault there ends the run as out of step.
 
+At two stages of two ranks each stage's tensor-parallel group is one of two sibling groups,
+rebuilt together on every rank, and a link flap on the second stage fails it again while the
+first stage re-runs its part in its monitor thread: that re-run is stopped by the further
+round and goes on after it (``IdleReplayStopped``).
+
 One child process (``_feature_run.py``) runs, each on an engine of its own: a plain engine of
 one rank (the oracle), a plain engine of two stages (ftkit's plugin loaded, recovery off: the
 CPU build's eager-mode buffer, ``allocate_cpu_eager_buffer``), ftkit's engine of two stages
-with every fault, and the crippled one. The workload: request 0 greedy, request 1 seeded
+with every fault, the crippled one, and a plain and ftkit's engine of two stages of two
+ranks. The workload: request 0 greedy, request 1 seeded
 (temperature 0.8), the logprob of each sampled token recorded.
 """
 
@@ -53,6 +60,14 @@ def _every_kind(rank: int, first: int, sampling_phase: str) -> list[dict]:
 
 
 FAULTS = [*_every_kind(0, 2, "forward"), *_every_kind(1, 23, "sample")]
+#: Two stages of two ranks: stage 0 is ranks 0-1, stage 1 ranks 2-3 (the last, sampling).
+STAGES_OF_TWO = {"engine_args": {"pipeline_parallel_size": 2}, "tensor_parallel_size": 2}
+STAGES_OF_TWO_FAULTS = [_fault("link_flap", 2, 3, times=2),
+                        _fault("device_reset", 1, 8),
+                        _fault("uce", 3, 13, "sample", region="kv"),
+                        _fault("link_break", 0, 18),
+                        _fault("hang", 3, 23, op_timeout_s=0.4),
+                        _fault("oom", 1, 28, times=2)]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +81,9 @@ def results(tiny_model: str, tmp_path_factory) -> dict:
             {"name": "ftkit", "recovery": True, "faults": FAULTS, "workload": PIPELINE},
             {"name": "no_forward_replay", "recovery": True, "cripple": "no_forward_replay",
              "faults": [_fault("device_reset", 1, RESET_AT)], "workload": PIPELINE},
+            {"name": "plain_stages_of_two", "recovery": False, "workload": STAGES_OF_TWO},
+            {"name": "stages_of_two", "recovery": True, "faults": STAGES_OF_TWO_FAULTS,
+             "workload": STAGES_OF_TWO},
         ]}, timeout_s=850)
 
 
@@ -94,6 +112,20 @@ def test_every_kind_on_each_stage_is_recovered_exactly(results):
     assert _streams(run) == _streams(results["plain"])
     # The KV memory error was repaired on both stages (each recomputes its own layers' KV).
     assert {entry["rank"] for entry in run["kv"]} == {0, 1}
+
+
+def test_two_stages_of_two_ranks_recover_every_fault_exactly(results):
+    # Tensor parallelism sums each layer's halves in its own order: the logprobs' last bits
+    # are those of a plain engine of the same shape, the tokens those of one rank.
+    plain = results["plain_stages_of_two"]
+    assert plain["error"] is None
+    assert [o["tokens"] for o in plain["outputs"]] == \
+        [o["tokens"] for o in results["plain"]["outputs"]]
+    run = results["stages_of_two"]
+    assert run["error"] is None
+    assert run["restarts"] == 0
+    assert _streams(run) == _streams(plain)
+    assert {entry["rank"] for entry in run["kv"]} == {0, 1, 2, 3}
 
 
 def test_without_the_forward_replay_a_fault_on_the_last_stage_is_out_of_step(results):
