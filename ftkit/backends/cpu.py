@@ -250,19 +250,18 @@ class CpuBackend(EmulatedFaultModel):
             keys.append(key)
             tensors.append(value.contiguous())
         header = _header([(k, tuple(t.shape), t.dtype) for k, t in zip(keys, tensors)])
-        self._transfer(group, dst, self.rank, [header, *tensors])
+        self._transfer(group, self.rank, [header, *tensors])
 
     def recv_tensor_dict(self, group: CommGroup, src: int) -> dict[str, torch.Tensor]:
         """Receive what ``send_tensor_dict`` on rank ``src`` of ``group`` sent."""
         header = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
-        self._transfer(group, src, group.ranks[src], [header])
+        self._transfer(group, group.ranks[src], [header])
         tensors = {key: torch.empty(shape, dtype=dtype)
                    for key, shape, dtype in _read_header(header)}
-        self._transfer(group, src, group.ranks[src], list(tensors.values()))
+        self._transfer(group, group.ranks[src], list(tensors.values()))
         return tensors
 
-    def _transfer(self, group: CommGroup, peer: int, source: int,
-                  tensors: list[torch.Tensor]) -> None:
+    def _transfer(self, group: CommGroup, source: int, tensors: list[torch.Tensor]) -> None:
         if len(group.ranks) != 2:
             raise FtkitError(f"ftkit's CPU backend transfers between pipeline stages in "
                              f"groups of two ranks, not {len(group.ranks)}")

@@ -127,15 +127,16 @@ class EngineSpec(_Strict):
     def data_parallel_size(self) -> int:
         """The replicas ``args`` ask for (vLLM's ``data_parallel_size``; 1 when not given,
         or not a positive integer: validation says so)."""
-        value = self.args.get("data_parallel_size", 1)
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        return value if ok else 1
+        return self._size_arg("data_parallel_size")
 
     @property
     def pipeline_parallel_size(self) -> int:
         """The pipeline stages ``args`` ask for (vLLM's ``pipeline_parallel_size``; 1 when not
         given, or not a positive integer: validation says so)."""
-        value = self.args.get("pipeline_parallel_size", 1)
+        return self._size_arg("pipeline_parallel_size")
+
+    def _size_arg(self, key: str) -> int:
+        value = self.args.get(key, 1)
         ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
         return value if ok else 1
 

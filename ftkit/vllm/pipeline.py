@@ -36,15 +36,10 @@ rebuild creates together (``ftkit.vllm.comms``).
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 from ftkit.errors import FtkitError
-
-log = logging.getLogger("ftkit")
-
-#: Marks ftkit's replacements (shared with the plugin's wrappers).
-_MARK = "__ftkit_wrapped__"
+from ftkit.vllm.plugin import WRAPPED_MARK as _MARK
 
 
 # --- the CPU build's eager-mode buffer --------------------------------------------------------
@@ -106,11 +101,11 @@ def one_step_in_flight(recovery_enabled: Any) -> None:
 
 # --- transfers a stop can end -----------------------------------------------------------------
 
-def take_over_stage_transfers(group: Any, coordinator: Any, backend: Any) -> None:
-    """Route ``coordinator``'s (vLLM's pipeline ``GroupCoordinator``) tensor-dict transfers
-    through ``backend``, on ``group`` (its ``CommGroup``: the backend reads the group's
-    current communicators at each transfer, so rebuilt ones take over at once). Synchronous,
-    like vLLM's own CPU path: the handles returned are empty."""
+def take_over_stage_transfers(group: Any, backend: Any) -> None:
+    """Route the tensor-dict transfers of ``group`` (the pipeline group, a ``VllmGroup``:
+    vLLM's ``GroupCoordinator`` is its ``coordinator``) through ``backend``, which reads the
+    group's current communicators at each transfer, so rebuilt ones take over at once.
+    Synchronous, like vLLM's own CPU path: the handles returned are empty."""
     send = getattr(backend, "send_tensor_dict", None)
     recv = getattr(backend, "recv_tensor_dict", None)
     if send is None or recv is None:
@@ -118,6 +113,7 @@ def take_over_stage_transfers(group: Any, coordinator: Any, backend: Any) -> Non
             f"ftkit's {getattr(backend, 'name', type(backend).__name__)} backend cannot stop a "
             "pipeline stage's send/recv yet: set pipeline_parallel_size=1 (vllm serve without "
             "--pipeline-parallel-size), or turn recovery off")
+    coordinator = group.coordinator
     size = coordinator.world_size
     me = coordinator.rank_in_group
 

@@ -49,8 +49,7 @@ loudly. A request that finished with the step is forgotten by the next step's
 brings it back.
 
 Supported: the V1 runner without asynchronous scheduling or speculative decoding, with at most
-two pipeline stages of one rank each; ``check_supported`` says so at start rather than
-corrupting a run.
+two pipeline stages; ``check_supported`` says so at start rather than corrupting a run.
 """
 
 from __future__ import annotations

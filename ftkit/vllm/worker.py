@@ -212,7 +212,7 @@ class FtkitWorker:
             self.backend.take_over(groups)
             if self.config.enabled:
                 for group in stages:
-                    take_over_stage_transfers(group, group.coordinator, self.backend)
+                    take_over_stage_transfers(group, self.backend)
         self.injector = Injector(
             self.served_rank, self.events, token_indices=state.output_token_indices,
             device=self.backend if hasattr(self.backend, "force_stop") else None,

@@ -53,8 +53,8 @@ class _Backend:
 @pytest.mark.parametrize("stage", [0, 1])
 def test_the_pipeline_groups_transfers_go_through_the_backend(stage):
     coordinator = SimpleNamespace(world_size=2, rank_in_group=stage)
-    backend, group = _Backend(), object()
-    take_over_stage_transfers(group, coordinator, backend)
+    backend, group = _Backend(), SimpleNamespace(coordinator=coordinator)
+    take_over_stage_transfers(group, backend)
     peer = 1 - stage
     # vLLM's worker: an asynchronous send whose handles it waits for at its next step, and a
     # receive whose handles and post-processing it runs before the forward pass.
@@ -72,5 +72,5 @@ def test_a_backend_that_cannot_stop_a_transfer_is_refused():
         name = "cuda"
 
     with pytest.raises(FtkitError, match="cuda backend cannot stop a pipeline stage"):
-        take_over_stage_transfers(object(), SimpleNamespace(world_size=2, rank_in_group=0),
-                                  Cuda())
+        take_over_stage_transfers(SimpleNamespace(coordinator=SimpleNamespace(
+            world_size=2, rank_in_group=0)), Cuda())
