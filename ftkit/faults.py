@@ -31,6 +31,8 @@ class FaultKind(str, enum.Enum):
     HANG = "hang"
     OOM = "oom"
     PROCESS_KILL = "process_kill"
+    RAY_WORKER_KILL = "ray_worker_kill"
+    NODE_LOSS = "node_loss"
 
     def __str__(self) -> str:  # "link_flap", not "FaultKind.LINK_FLAP", in messages
         return self.value

@@ -119,6 +119,9 @@ class CpuBackend(EmulatedFaultModel):
         self._collective_timeout_s = collective_timeout_s
         self._groups: list[CommGroup] = []
         self._shm: dict[int, shm.ShmGroup] = {}  # id(device_group) -> its segment
+        #: Each rank's host (``shm.host_identity``), once exchanged: a group's segment is
+        #: opened only where every member shares this rank's host.
+        self._hosts: dict[int, str] | None = None
         self._generation = 0
         self._stopped = threading.Event()
         #: The link, hang and memory-error parts of the fault model (shared with the
@@ -165,6 +168,8 @@ class CpuBackend(EmulatedFaultModel):
         if not self._use_shm:
             return
         for g in self._groups:
+            if not self._one_host(g.ranks):
+                continue  # ranks on other hosts: the abortable gloo path
             _, device_group = g.current_groups()
             # (Sibling groups, such as each stage's tensor-parallel group, share a name.)
             members = ".".join(str(r) for r in g.ranks)
@@ -173,6 +178,20 @@ class CpuBackend(EmulatedFaultModel):
                 self._store, key, g.ranks.index(self.rank), len(g.ranks),
                 stopped=self._stopped.is_set, timeout_s=self._collective_timeout_s,
                 bound_s=lambda: self.collective_bound_s)
+
+    def _one_host(self, ranks: list[int]) -> bool:
+        """Whether every one of ``ranks`` runs on this rank's host (asked of the store once:
+        every rank of the engine says where it runs as its groups are first opened)."""
+        if self._hosts is None:
+            from datetime import timedelta
+
+            ranks_all = sorted({r for g in self._groups for r in g.ranks})
+            self._store.set(f"ftkit/host/{self.rank}", shm.host_identity())
+            keys = [f"ftkit/host/{r}" for r in ranks_all]
+            self._store.wait(keys, timedelta(seconds=self._collective_timeout_s))
+            self._hosts = {r: self._store.get(k).decode() for r, k in zip(ranks_all, keys)}
+        mine = self._hosts.get(self.rank)
+        return all(self._hosts.get(r) == mine for r in ranks)
 
     def shm_for(self, group, tensor: torch.Tensor) -> shm.ShmGroup | None:
         segment = self._shm.get(id(group))

@@ -30,6 +30,8 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -73,6 +75,21 @@ def _explain(descriptor: int) -> str:
 def available() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and _SHM_DIR.is_dir() and \
         os.access(_SHM_DIR, os.W_OK)
+
+
+def host_identity() -> str:
+    """Which host this process runs on, for telling whether ranks share memory: in a Ray
+    worker its Ray node (the nodes of a cluster on one host are told apart: they stand for
+    hosts), otherwise the host's name and boot."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return f"ray-node:{ray.get_runtime_context().get_node_id()}"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"host:{socket.gethostname()}:{boot}"
 
 
 class ShmGroup:

@@ -58,6 +58,12 @@ KIND_WEIGHTS: dict[FaultKind, int] = {
     # own): one generated scenario in about fifty.
     FaultKind.PROCESS_KILL: 1,
 }
+#: Not drawn: they need vLLM's Ray executor, and the search's engines run the multi-process
+#: one (a Ray cluster's start and a node's restart would cost each scenario half a minute).
+NOT_SEARCHED: dict[FaultKind, str] = {
+    FaultKind.RAY_WORKER_KILL: "needs vLLM's Ray executor",
+    FaultKind.NODE_LOSS: "needs vLLM's Ray executor",
+}
 _NEEDS_A_PEER = {FaultKind.LINK_BREAK, FaultKind.LINK_FLAP}
 #: The most requests and output tokens of a generated workload. Damage to a request's block
 #: table shows only once it reaches its next KV block: 64 tokens span two blocks of 32.
@@ -132,17 +138,22 @@ class ExploreSpace:
 
 
 def parse_kinds(text: str | Sequence[str] | None) -> tuple[FaultKind, ...]:
-    """``"uce,oom"`` (or a sequence of names) as kinds; every kind when empty."""
+    """``"uce,oom"`` (or a sequence of names) as kinds; every searched kind when empty."""
     names = _names(text)
     if not names:
         return tuple(KIND_WEIGHTS)
     kinds = []
     for name in names:
         try:
-            kinds.append(FaultKind(name))
+            kind = FaultKind(name)
         except ValueError:
             raise FtkitError(f"unknown fault kind {name!r}: the kinds are "
-                             f"{', '.join(k.value for k in FaultKind)}") from None
+                             f"{', '.join(k.value for k in KIND_WEIGHTS)}") from None
+        if kind in NOT_SEARCHED:
+            raise FtkitError(f"fault kind {name!r} is not searched: it {NOT_SEARCHED[kind]}, "
+                             f"and explore's engines run vLLM's multi-process executor; "
+                             f"write a scenario for it (docs/faults.md)")
+        kinds.append(kind)
     return tuple(kinds)
 
 

@@ -20,6 +20,7 @@ the vocabulary scenarios are validated against).
 ``hang``                  ``hang``
 ``oom``                   ``oom``
 ``process_kill``          ``process_kill``
+``ray_kill``              ``ray_worker_kill``, ``node_loss`` (vLLM's Ray executor)
 ========================  ======================================================================
 
 This package imports neither the recovery engine, the injector nor vLLM, and no torch at

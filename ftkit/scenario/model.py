@@ -122,6 +122,17 @@ class EngineSpec(_Strict):
                                                    "with `mode: serve` and a dense model "
                                                    "(its replicas are served, each "
                                                    "recovered on its own)")
+    nodes: int = Field(1, ge=1,
+                       description="the Ray nodes the engine's ranks spread over, with "
+                                   "`args.distributed_executor_backend: ray`: ftkit starts a "
+                                   "Ray cluster of one head and `nodes - 1` worker nodes on "
+                                   "this host for the engine, every rank's node placed by "
+                                   "Ray (the world size must divide evenly)")
+
+    @property
+    def uses_ray(self) -> bool:
+        """The engine runs on vLLM's Ray executor (``distributed_executor_backend: ray``)."""
+        return self.args.get("distributed_executor_backend") == "ray"
 
     @property
     def data_parallel_size(self) -> int:

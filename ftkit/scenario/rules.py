@@ -54,6 +54,7 @@ def problems(scenario: Scenario) -> list[Problem]:
     if workload_sound:
         found += _reproducibility_problems(scenario)
     found += _engine_problems(scenario)
+    found += _ray_problems(scenario)
     found += _bounds_problems(scenario)
     if workload_sound:
         found += _serve_problems(scenario)
@@ -316,6 +317,33 @@ def _engine_problems(scenario: Scenario) -> list[Problem]:
             found.append((("engine", "args", "pipeline_parallel_size"),
                           "ftkit's serving mode does not run pipeline parallelism yet: set "
                           "it to 1, or use engine.mode offline"))
+    return found
+
+
+def _ray_problems(scenario: Scenario) -> list[Problem]:
+    """``engine.nodes`` and vLLM's Ray executor: nodes need Ray; ranks spread evenly; what
+    ftkit does not run on Ray yet is refused."""
+    engine = scenario.engine
+    found: list[Problem] = []
+    if not engine.uses_ray:
+        if engine.nodes > 1:
+            found.append((("engine", "nodes"),
+                          f"{engine.nodes} nodes need vLLM's Ray executor: add "
+                          f"`distributed_executor_backend: ray` to engine.args"))
+        return found
+    if engine.world_size % engine.nodes:
+        found.append((("engine", "nodes"),
+                      f"the engine's {engine.world_size} rank(s) do not spread evenly over "
+                      f"{engine.nodes} nodes: give a number of nodes that divides them"))
+    if engine.mode == "serve":
+        found.append((("engine", "args", "distributed_executor_backend"),
+                      "ftkit's serving mode does not start a Ray cluster yet: leave "
+                      "distributed_executor_backend out, or use engine.mode offline"))
+    if engine.pipeline_parallel_size > 1 and scenario.recovery.enabled:
+        found.append((("engine", "args", "distributed_executor_backend"),
+                      "ftkit's recovery does not run pipeline stages on vLLM's Ray executor "
+                      "yet: leave distributed_executor_backend out (the multi-process "
+                      "executor), or set pipeline_parallel_size to 1"))
     return found
 
 

@@ -15,19 +15,26 @@ script stopped hard): each engine then has a watchdog (``ftkit.procs.Watchdog``)
 process that knows the engine's processes and files as they are noted (also while the engine
 starts) and, when its owner dies, kills exactly those processes and removes those files.
 
+An engine on vLLM's Ray executor (``distributed_executor_backend: ray``) gets a Ray cluster of
+its own on this host (``ftkit.vllm.ray_cluster``, ``spec.nodes`` nodes), started with the
+first engine, kept across restarts (a lost node started again first) and closed with the
+session. The session then watches only the engine core's death itself; its workers' deaths
+reach it through Ray, which ends the engine core.
+
 The engine is built from the scenario's ``EngineSpec`` (``model``: the model directory) and,
 for an ftkit engine, a ``RecoveryConfig``; faults are planned per run with a ``FaultPlan``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import psutil
@@ -41,6 +48,7 @@ from ftkit.contracts.plan import FaultPlan
 from ftkit.errors import EngineError, RunTimeout
 from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
+from ftkit.vllm.ray_cluster import RayCluster
 from ftkit.vllm.environment import (ExecuteTimeout, engine_args, engine_environment,
                                     hold_engine_env)
 from ftkit.vllm.workload import GenerateResult, Workload
@@ -96,6 +104,9 @@ class EngineSession:
         #: Puts back the environment an in-process engine keeps while it lives
         #: (``hold_engine_env``).
         self._release_env: Callable[[], None] | None = None
+        #: The Ray cluster of an engine on vLLM's Ray executor: started with the first
+        #: engine, kept across restarts, closed with the session.
+        self.ray_cluster: RayCluster | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -104,6 +115,18 @@ class EngineSession:
 
         me = psutil.Process()
         started = time.monotonic()
+        if self.ray_cluster is not None:
+            self.ray_cluster.revive()  # a node lost with the engine that this one replaces
+        elif self.spec.uses_ray:
+            # Before the children are counted: the cluster's own processes are not the
+            # engine's (the Ray workers the engine starts are: they are counted below).
+            self.ray_cluster = RayCluster(self.spec.nodes,
+                                          -(-self.spec.world_size // self.spec.nodes))
+            try:
+                self.ray_cluster.start()
+            except BaseException:
+                self.ray_cluster = None
+                raise
         tmp_dir = tempfile.mkdtemp(prefix="ftkit-engine-")
         if self._use_watchdog:
             self._watchdog = procs.Watchdog(os.path.join(tmp_dir, WATCH_RECORD)).start()
@@ -118,7 +141,7 @@ class EngineSession:
         try:
             with engine_environment(self.spec.world_size, self.multiprocess,
                                     tmp_dir, self.recovery) as self.execute_timeout, \
-                    procs.polling(ENGINE_START_TRACK_S, look):
+                    _joining(self.ray_cluster), procs.polling(ENGINE_START_TRACK_S, look):
                 self.llm = LLM(**engine_args(self.spec, self.recovery))
         except BaseException as exc:  # Ctrl-C too: nothing of a half-started engine stays
             look()
@@ -167,16 +190,24 @@ class EngineSession:
         return self._watchdog.pid if self._watchdog is not None else None
 
     def close(self) -> None:
-        """Shut the engine down and reap every process it started (killed if need be)."""
+        """Shut the engine down and reap every process it started (killed if need be), then
+        its Ray cluster, if it has one."""
         self._shut_down()
         procs.reap(self._procs + self._dying, REAP_GRACE_S)
         self._clean_up()
+        self._close_cluster()
 
     def kill(self) -> None:
         """End the engine at once, from any thread, for an owner that is about to exit: its
         processes are killed (no shut-down of vLLM's) and what they left is removed."""
         procs.wait_gone(procs.kill(self._procs + self._dying))
         self._clean_up()
+        self._close_cluster()
+
+    def _close_cluster(self) -> None:
+        cluster, self.ray_cluster = self.ray_cluster, None
+        if cluster is not None:
+            cluster.close()
 
     def _clean_up(self) -> None:
         """The engine's processes are gone: remove what they left, then end the watchdog
@@ -276,7 +307,11 @@ class EngineSession:
                 if len(restarts) >= max_restarts or self.recovery is None:
                     self.dead = error
                     break
-                restarts.append(self._restart(work, error, started))
+                try:
+                    restarts.append(self._restart(work, error, started))
+                except EngineError as exc:  # the replacement did not start: the run ends
+                    error = self.dead = f"{error}; no engine could replace it: {exc}"
+                    break
                 error = None
         if error is None:
             try:
@@ -296,7 +331,8 @@ class EngineSession:
         # with the dead one; and a front end whose engine core died abruptly waits for output
         # forever.
         engine = self.llm.llm_engine
-        with procs.DeathWatch(self._procs if watch else [], on_death=self._unblock_front_end):
+        with procs.DeathWatch(self._watched() if watch else [],
+                              on_death=self._unblock_front_end):
             work.submit_due(engine)
             self._steps(engine, work, started, deadline, on_tokens)
 
@@ -348,6 +384,17 @@ class EngineSession:
                     raise RunTimeout("the engine's ranks did not settle before the "
                                      "deadline") from exc
                 raise
+
+    def _watched(self) -> list[psutil.Process]:
+        """The engine's processes whose death the session watches for itself: all of them,
+        except on vLLM's Ray executor, whose workers run on the cluster's nodes (here as on
+        other hosts): Ray tells their death to the executor, which ends the engine core."""
+        if self.ray_cluster is None:
+            return self._procs
+        on_nodes = {p.pid for node in self.ray_cluster.nodes for p in node.seen}
+        self.ray_cluster.look()
+        on_nodes |= {p.pid for node in self.ray_cluster.nodes for p in node.seen}
+        return [p for p in self._procs if p.pid not in on_nodes]
 
     def _unblock_front_end(self, pid: int) -> None:
         """vLLM's front end notices the engine core's death but leaves a caller blocked in
@@ -407,6 +454,23 @@ class EngineSession:
                                           RecoveryRound)
                    if e.decision == "raise" and e.time >= since]
         return f"; ftkit: {reasons[0]}" if reasons else ""
+
+
+@contextlib.contextmanager
+def _joining(cluster: RayCluster | None) -> Iterator[None]:
+    """The environment an engine joins ``cluster`` with (vLLM's Ray executor reads it in the
+    engine core; nothing without a cluster), restored afterwards."""
+    wanted = cluster.environment() if cluster is not None else {}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _describe_engine_error(exc: BaseException) -> str:

@@ -108,7 +108,9 @@ class Host:
         stages = job.engine.pipeline_parallel_size
         _say(HostMessage(Stage.ENGINE_START,
                          f"tensor parallel {job.engine.tensor_parallel_size}"
-                         + (f", {stages} pipeline stages" if stages > 1 else "")))
+                         + (f", {stages} pipeline stages" if stages > 1 else "")
+                         + (f", Ray executor on {job.engine.nodes} node(s)"
+                            if job.engine.uses_ray else "")))
         leftovers = str(self.work / LEFTOVERS_FILE) if self.work is not None else None
         self.session = EngineSession(job.engine, recovery=job.recovery,
                                      multiprocess=job.multiprocess, leftovers_file=leftovers)

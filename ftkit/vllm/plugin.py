@@ -112,8 +112,55 @@ def _raise_execute_timeout_as_executors_start() -> None:
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
     except ImportError:  # (a vLLM without it runs no step RPC with a timeout)
         return
-    original = MultiprocExecutor._init_executor
+    _check_as_executor_starts(MultiprocExecutor)
+    _prepare_ray_executor_when_chosen()
+
+
+def _prepare_ray_executor_when_chosen() -> None:
+    """vLLM's Ray executor (``RayExecutorV2``, a subclass of the multi-process one with a
+    start of its own) gets the same wrapping, and on the CPU build ftkit's shim
+    (``ftkit.vllm.ray_cpu``), once an engine chooses it: importing it imports Ray, which
+    engines of the other executors need not pay for. An engine core process receives the
+    class its front end chose, imported before its plugins are loaded."""
+    from vllm.v1.executor.abstract import Executor
+
+    module = sys.modules.get("vllm.v1.executor.ray_executor_v2")
+    if module is not None:
+        _prepare_ray_executor(module)
+    original = Executor.__dict__["get_class"].__func__
     if getattr(original, WRAPPED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def get_class(vllm_config: Any) -> Any:
+        chosen = original(vllm_config)
+        loaded = sys.modules.get("vllm.v1.executor.ray_executor_v2")
+        if loaded is not None and isinstance(chosen, type) \
+                and issubclass(chosen, loaded.RayExecutorV2):
+            _prepare_ray_executor(loaded)
+        return chosen
+
+    setattr(get_class, WRAPPED_MARK, True)
+    Executor.get_class = staticmethod(get_class)
+
+
+def _prepare_ray_executor(module: Any) -> None:
+    from ftkit.bounds import RAY_PLACEMENT_TIMEOUT_ENV
+    from ftkit.vllm import ray_cpu
+
+    ray_cpu.apply()
+    _check_as_executor_starts(module.RayExecutorV2)
+    bound = os.environ.get(RAY_PLACEMENT_TIMEOUT_ENV)
+    if bound:  # an engine ftkit started on a cluster of its own (``ftkit.vllm.ray_cluster``)
+        from vllm.v1.executor import ray_utils
+
+        ray_utils.PG_WAIT_TIMEOUT = float(bound)
+
+
+def _check_as_executor_starts(executor_class: Any) -> None:
+    """Wrap ``executor_class``'s start (see ``_raise_execute_timeout_as_executors_start``)."""
+    original = executor_class.__dict__.get("_init_executor")
+    if original is None or getattr(original, WRAPPED_MARK, False):
         return
 
     @functools.wraps(original)
@@ -127,10 +174,16 @@ def _raise_execute_timeout_as_executors_start() -> None:
 
             check_config(self.vllm_config)
         raise_execute_timeout_for(self.vllm_config)
+        # The workers' way to the engine core (a ``process_kill`` of target engine): under
+        # Ray it is not their parent. Set before the workers start: they inherit it (the
+        # multi-process executor) or get the engine core's environment (the Ray executor).
+        from ftkit.vllm.environment import ENGINE_CORE_ENV, process_identity
+
+        os.environ[ENGINE_CORE_ENV] = process_identity()
         return original(self)
 
     setattr(_init_executor, WRAPPED_MARK, True)
-    MultiprocExecutor._init_executor = _init_executor
+    executor_class._init_executor = _init_executor
 
 
 def _one_step_in_flight_with_recovery() -> None:

@@ -110,6 +110,22 @@ def check_config(vllm_config: Any) -> None:
     _refuse(config_problems(view))
 
 
+def _ray_problems(stages: int) -> list[str]:
+    """What ftkit does not recover on vLLM's Ray executor."""
+    from vllm import envs
+
+    problems = []
+    if not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND:
+        problems.append("vLLM's older Ray executor is chosen (unset "
+                        "VLLM_USE_RAY_V2_EXECUTOR_BACKEND, or set it to 1): its compiled graph "
+                        "calls the model runner directly, past ftkit's step wrapper")
+    if stages > 1:
+        problems.append("pipeline parallelism runs on vLLM's Ray executor (use the "
+                        "multi-process executor: distributed_executor_backend mp, or leave it "
+                        "out): ftkit has not been tested with stages on Ray yet")
+    return problems
+
+
 def config_problems(runner: Any) -> list[str]:
     """What ``check_supported`` refuses that the configuration says (``runner``: a model
     runner, or anything with its configuration attributes)."""
@@ -130,6 +146,8 @@ def config_problems(runner: Any) -> list[str]:
         problems.append(f"pipeline parallelism is on (set pipeline_parallel_size=1; vllm "
                         f"serve without --pipeline-parallel-size): ftkit stops a stage's "
                         f"send/recv on vLLM's CPU build only, not on {device.type} yet")
+    if getattr(parallel, "distributed_executor_backend", None) == "ray":
+        problems += _ray_problems(stages)
     if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
         # (vLLM runs each replica of a dense model as an engine of its own, of data-parallel
         # size 1, which ftkit recovers like any engine: only coupled replicas get here.)

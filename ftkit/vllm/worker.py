@@ -25,7 +25,7 @@ from ftkit.contracts.eventlog import (
     StepRecovered,
 )
 from ftkit.contracts.plan import FaultPlan
-from ftkit.errors import FtkitError
+from ftkit.errors import FtkitError, InjectionError
 from ftkit.inject import Injector
 from ftkit.recovery import (
     Coordinator,
@@ -254,12 +254,21 @@ class FtkitWorker:
                 runner.get_model().register_forward_pre_hook(self.injector.forward_hook)]
 
     def _kill_target(self, target: str) -> int:
-        """The pid a ``process_kill`` fault kills: this worker, or the engine core (the
-        parent of the workers of a multi-process executor; this very process otherwise)."""
+        """The pid a ``process_kill`` fault kills: this worker, or the engine core (named by
+        the engine core as its executor started: the workers' parent under the multi-process
+        executor, not under Ray's; this very process for an engine of one rank)."""
         world = int(self.vllm_config.parallel_config.world_size)
         if target == "rank" or world == 1:
             return os.getpid()
-        return os.getppid()
+        from ftkit.vllm.environment import ENGINE_CORE_ENV, identified_process
+
+        identity = os.environ.get(ENGINE_CORE_ENV)
+        core = identified_process(identity) if identity else None
+        if core is None:
+            raise InjectionError("process_kill of the engine core: this worker cannot find it "
+                                 "(it runs on another host, or its executor did not name "
+                                 "it): kill a worker (target rank) instead")
+        return core.pid
 
     def _record_kv(self, report: RecomputeReport) -> None:
         wrapper = self.step_wrapper

@@ -114,7 +114,9 @@ def test_every_fault_kind_has_a_doctor_row():
         for mode, how in spec.doctor.ways.values():
             assert mode in (doctor.REAL, doctor.EMULATED) and how, kind
     needs = {k for k, s in KIND_SPECS.items() if s.doctor.fault_model_method is not None}
-    assert needs | {FaultKind.OOM, FaultKind.PROCESS_KILL} == set(FaultKind)
+    # The kinds that kill a process need no fault model, nor does an out-of-memory error.
+    assert needs | {FaultKind.OOM, FaultKind.PROCESS_KILL, FaultKind.RAY_WORKER_KILL,
+                    FaultKind.NODE_LOSS} == set(FaultKind)
 
 
 # --- the command ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from ftkit.errors import FtkitError
 from ftkit.explore import (FEATURES, Budget, Campaign, CoverageCell, ExploredRun,
                            ExploreOptions, ExploreSpace, Failure, Outcome, coverage,
                            features_of, merge_subsumed, parse_kinds, parse_names)
-from ftkit.explore.space import MIN_TOKENS
+from ftkit.explore.space import MIN_TOKENS, NOT_SEARCHED
 from ftkit.faults import FaultKind
 from ftkit.results import FaultRecord, RequestComparison, ScenarioResult, Verdict
 from ftkit.scenario import load_scenario
@@ -82,7 +82,10 @@ def test_space_refuses_unknown_names_and_link_faults_without_a_peer():
         ExploreSpace(tp=(1,), kinds=(FaultKind.LINK_BREAK,))
     with pytest.raises(FtkitError, match="unknown phase"):
         ExploreSpace(phases=("after",))
-    assert parse_kinds("") == parse_kinds(None) and len(parse_kinds(None)) == len(FaultKind)
+    assert parse_kinds("") == parse_kinds(None)
+    assert set(parse_kinds(None)) == set(FaultKind) - set(NOT_SEARCHED)
+    with pytest.raises(FtkitError, match="'node_loss' is not searched: it needs vLLM's Ray"):
+        parse_kinds("oom,node_loss")
 
 
 # --- generation -----------------------------------------------------------------------------
@@ -107,7 +110,7 @@ def test_generated_scenarios_are_valid_and_cover_the_space():
     kinds = {str(f.kind) for s in recorder.seen for f in s.faults}
     phases = {f.phase for s in recorder.seen for f in s.faults}
     features = {f for run in result.runs for f in run.features}
-    assert kinds == {k.value for k in FaultKind}
+    assert kinds == {k.value for k in FaultKind if k not in NOT_SEARCHED}
     assert phases == {"before", "forward", "sample"}
     assert features == set(FEATURES)
     # Link faults only where a peer exists; requests within the engine's limits.
@@ -268,7 +271,8 @@ def test_a_short_campaign_covers_every_kind_in_every_phase():
     recorder = Recorder()
     result = campaign(recorder, seed=9, budget=25, tp=(1, 2))
     cells = {(c.kind, c.phase) for c in result.coverage}
-    assert cells == {(k.value, p) for k in FaultKind for p in ("before", "forward", "sample")}
+    assert cells == {(k.value, p) for k in FaultKind if k not in NOT_SEARCHED
+                     for p in ("before", "forward", "sample")}
     # The first runs are the simplest scenario of each: link faults at tensor parallel 2.
     first = recorder.seen[:21]
     assert [(str(s.faults[0].kind), s.faults[0].phase) for s in first[:3]] == \

@@ -58,5 +58,6 @@ def test_a_peer_stop_is_not_a_fault_of_this_rank():
 
 def test_kind_catalogue():
     assert {k.value for k in FaultKind} == {"link_break", "link_flap", "device_reset", "uce",
-                                            "hang", "oom", "process_kill"}
+                                            "hang", "oom", "process_kill", "ray_worker_kill",
+                                            "node_loss"}
     assert str(FaultKind.LINK_FLAP) == "link_flap"

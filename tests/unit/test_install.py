@@ -184,7 +184,7 @@ def test_make_setup_passes_a_reachable_index_to_pip(tmp_path, index_server):
     install = calls[0]
     assert install[0] == "install"
     assert f"--extra-index-url={index_server}" in install
-    assert "-e" in install and ".[cpu,test,dev,report]" in install and "cli" in install
+    assert "-e" in install and ".[cpu,ray,test,dev,report]" in install and "cli" in install
     assert calls[1][:2] == ["uninstall", "-y"]
 
 

@@ -89,7 +89,8 @@ def test_what_the_kinds_say_about_themselves():
     collective = {k for k, s in KIND_SPECS.items() if s.collective}
     assert collective == {FaultKind.LINK_BREAK, FaultKind.LINK_FLAP}
     ends_process = {k for k, s in KIND_SPECS.items() if s.ends_process}
-    assert ends_process == {FaultKind.PROCESS_KILL}
+    assert ends_process == {FaultKind.PROCESS_KILL, FaultKind.RAY_WORKER_KILL,
+                            FaultKind.NODE_LOSS}
     assert all(s.implemented for s in KIND_SPECS.values())
 
 

@@ -4,13 +4,14 @@ a test can use engine settings, environment and patches the session's shared eng
 have.
 
 Usage: ``_feature_run.py CONFIG_JSON``. CONFIG keys: model, engine_args, tensor_parallel_size
-(default 1), multiprocess (the engine core in a process of its own; default: at tensor
+(default 1), nodes (the Ray nodes, default 1), multiprocess (the engine core in a process of its own; default: at tensor
 parallel 2 and more), env (environment variables set before the first engine starts), event_log_dir,
 prompts, sampling (``SamplingSpec.to_mapping()``), submit_after_steps, and runs: a list of
 ``{"name", "recovery" (bool), "faults" (``FaultSpec`` dicts), "cripple" (a name of
 ``CRIPPLES``, a list of them switched off together, or null; most patch this process only, so
 not the workers of a multi-process engine; those of ``EVERYWHERE`` also reach every process the
-engine starts), "max_restarts" (engine restarts after a process died, default 0), "workload"
+engine starts), "max_restarts" (engine restarts after a process died, default 0), "transports" (also return
+each rank's collectives by path, ``ftkit_transport_counts``), "workload"
 (optional: any of CONFIG's keys above but env, for this run)}``, run one after the other, each
 on an engine of its own (its cripples are undone after its run). Prints one
 ``RESULT <json>`` line: per run name, every completion's tokens, logprobs, finish and stop
@@ -233,6 +234,26 @@ def _resume_from_the_prompt_alone() -> Callable[[], None]:
     return _patch(workload.Workload, "_resume_sample", without_tokens)
 
 
+def _no_revive() -> Callable[[], None]:
+    """A lost Ray node is not started again before the engine that replaces the dead one
+    (whose ranks then find no place: a short bound on that wait)."""
+    from ftkit.bounds import RAY_PLACEMENT_TIMEOUT_ENV
+    from ftkit.vllm.ray_cluster import RayCluster
+
+    saved = os.environ.get(RAY_PLACEMENT_TIMEOUT_ENV)
+    os.environ[RAY_PLACEMENT_TIMEOUT_ENV] = "10"
+    undo_revive = _patch(RayCluster, "revive", lambda self: [])
+
+    def undo() -> None:
+        undo_revive()
+        if saved is None:
+            os.environ.pop(RAY_PLACEMENT_TIMEOUT_ENV, None)
+        else:
+            os.environ[RAY_PLACEMENT_TIMEOUT_ENV] = saved
+
+    return undo
+
+
 #: A repair switched off: name -> patch (returns its undo).
 CRIPPLES: dict[str, Callable[[], Callable[[], None]]] = {
     **{name: (lambda name=name: _everywhere(name)) for name in EVERYWHERE},
@@ -242,6 +263,7 @@ CRIPPLES: dict[str, Callable[[], Callable[[], None]]] = {
     "layout": _batch_in_scheduler_order,
     "shadow": _resumed_text_from_the_new_engine,
     "child_seed": _one_seed_for_every_sample,
+    "no_revive": _no_revive,
 }
 
 
@@ -296,7 +318,8 @@ class _ScheduleSpy:
 def run(config: dict, plan: dict) -> dict:
     config = {**config, **plan.get("workload", {})}
     spec = EngineSpec(model=config["model"], args=config.get("engine_args", {}),
-                      tensor_parallel_size=config.get("tensor_parallel_size", 1))
+                      tensor_parallel_size=config.get("tensor_parallel_size", 1),
+                      nodes=config.get("nodes", 1))
     config.setdefault("multiprocess", None)
     undo = _cripple(plan.get("cripple"))
     try:
@@ -336,6 +359,9 @@ def _run(config: dict, spec: EngineSpec, plan: dict) -> dict:
         out = engine.generate(config["prompts"], SamplingSpec.from_mapping(config["sampling"]),
                               run_id=run_id, submit_after_steps=config.get("submit_after_steps"),
                               max_restarts=plan.get("max_restarts", 0))
+        transports = None
+        if plan.get("transports") and out.error is None:
+            transports = engine.llm.collective_rpc("ftkit_transport_counts")
     kv = []
     if recovery is not None:
         kv = [{"rank": e.rank, "requests": e.requests, "tokens": e.tokens}
@@ -344,7 +370,7 @@ def _run(config: dict, spec: EngineSpec, plan: dict) -> dict:
             "outputs": [{"key": list(r.key), "tokens": r.token_ids, "logprobs": r.logprobs,
                          "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
                          "text": r.text} for r in out.requests],
-            "restarts": len(out.restarts),
+            "restarts": len(out.restarts), "transports": transports,
             "kv": kv, "schedule": spy.to_mapping()}
 
 

