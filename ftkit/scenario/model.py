@@ -128,6 +128,14 @@ class EngineSpec(_Strict):
                                    "Ray cluster of one head and `nodes - 1` worker nodes on "
                                    "this host for the engine, every rank's node placed by "
                                    "Ray (the world size must divide evenly)")
+    ray_address: str | None = Field(None, min_length=1,
+                                    description="join this running Ray cluster (`HOST:PORT` of "
+                                                "its head) instead of starting one, with "
+                                                "`args.distributed_executor_backend: ray`; its "
+                                                "nodes must offer the ranks' devices (on the "
+                                                "CPU build, the `ftkit_cpu_rank` resource). "
+                                                "ftkit does not start a lost node of it "
+                                                "again: `node_loss` is refused")
 
     @property
     def uses_ray(self) -> bool:

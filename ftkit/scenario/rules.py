@@ -330,7 +330,22 @@ def _ray_problems(scenario: Scenario) -> list[Problem]:
             found.append((("engine", "nodes"),
                           f"{engine.nodes} nodes need vLLM's Ray executor: add "
                           f"`distributed_executor_backend: ray` to engine.args"))
+        if engine.ray_address is not None:
+            found.append((("engine", "ray_address"),
+                          "a Ray cluster is joined by vLLM's Ray executor only: add "
+                          "`distributed_executor_backend: ray` to engine.args"))
         return found
+    if engine.ray_address is not None:
+        if engine.nodes > 1:
+            found.append((("engine", "nodes"),
+                          "the nodes of a cluster given by engine.ray_address are that "
+                          "cluster's: leave engine.nodes out"))
+        found += [(("faults", index, "kind"),
+                   "ftkit cannot start a lost node of a cluster it did not start (given by "
+                   "engine.ray_address): leave ray_address out (ftkit starts the cluster), "
+                   "or use ray_worker_kill")
+                  for index, fault in enumerate(scenario.faults)
+                  if str(fault.kind) == "node_loss"]
     if engine.world_size % engine.nodes:
         found.append((("engine", "nodes"),
                       f"the engine's {engine.world_size} rank(s) do not spread evenly over "

@@ -48,9 +48,9 @@ from ftkit.contracts.plan import FaultPlan
 from ftkit.errors import EngineError, RunTimeout
 from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
-from ftkit.vllm.ray_cluster import RayCluster
+from ftkit.vllm.ray_cluster import RayCluster, joining_environment
 from ftkit.vllm.environment import (ExecuteTimeout, engine_args, engine_environment,
-                                    hold_engine_env)
+                                    hold_engine_env, identified_process)
 from ftkit.vllm.workload import GenerateResult, Workload
 
 log = logging.getLogger("ftkit")
@@ -86,6 +86,9 @@ class EngineSession:
         #: Every process this session's engines started (all of them, across restarts).
         self.pids: list[int] = []
         self._procs: list[psutil.Process] = []
+        #: The current engine's workers on this host that another owner started (a Ray
+        #: cluster given by address): their shared memory is noted, nothing else.
+        self._foreign: list[psutil.Process] = []
         #: Processes of a dead engine, killed and not yet waited for (see ``_restart``).
         self._dying: list[psutil.Process] = []
         self.dead: str | None = None
@@ -117,7 +120,7 @@ class EngineSession:
         started = time.monotonic()
         if self.ray_cluster is not None:
             self.ray_cluster.revive()  # a node lost with the engine that this one replaces
-        elif self.spec.uses_ray:
+        elif self.spec.uses_ray and self.spec.ray_address is None:
             # Before the children are counted: the cluster's own processes are not the
             # engine's (the Ray workers the engine starts are: they are counted below).
             self.ray_cluster = RayCluster(self.spec.nodes,
@@ -141,7 +144,8 @@ class EngineSession:
         try:
             with engine_environment(self.spec.world_size, self.multiprocess,
                                     tmp_dir, self.recovery) as self.execute_timeout, \
-                    _joining(self.ray_cluster), procs.polling(ENGINE_START_TRACK_S, look):
+                    _joining(self.ray_cluster, self.spec.ray_address), \
+                    procs.polling(ENGINE_START_TRACK_S, look):
                 self.llm = LLM(**engine_args(self.spec, self.recovery))
         except BaseException as exc:  # Ctrl-C too: nothing of a half-started engine stays
             look()
@@ -151,6 +155,8 @@ class EngineSession:
             raise EngineError(f"vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
         if not self.multiprocess:
             self._release_env = hold_engine_env()
+        if self.spec.ray_address is not None:
+            self._foreign = self._workers_elsewhere()
         look()
         # A process that came and went during the start (a helper vLLM or torch ran) is not
         # one of the engine's: a death watch would take its end for the engine's death.
@@ -165,7 +171,8 @@ class EngineSession:
         """Note ``paths`` (default: what the engine's processes hold in shared memory) to
         remove once they are reaped."""
         if paths is None:
-            paths = procs.shared_memory_files(p for p in self._procs if procs.alive(p))
+            paths = procs.shared_memory_files(p for p in self._procs + self._foreign
+                                              if procs.alive(p))
         new = sorted(set(paths) - self.leftovers)
         self.leftovers.update(new)
         if new and self._watchdog is not None:
@@ -173,6 +180,14 @@ class EngineSession:
         if new and self._leftovers_file is not None:
             with open(self._leftovers_file, "a") as out:
                 out.writelines(f"{path}\n" for path in new)
+
+    def _workers_elsewhere(self) -> list[psutil.Process]:
+        """The engine's workers on this host that are no processes of this session's: those
+        a Ray cluster it joined started. Only what they hold in shared memory is of concern
+        here (noted, removed once the engine is gone); they are neither watched nor killed."""
+        identities = self.llm.collective_rpc("ftkit_process_identity")
+        found = [identified_process(identity) for identity in identities]
+        return [p for p in found if p is not None and p.pid not in self.pids]
 
     def _track_children(self, me: psutil.Process, before: set[int]) -> None:
         new = [p for p in procs.descendants(me)
@@ -212,7 +227,7 @@ class EngineSession:
     def _clean_up(self) -> None:
         """The engine's processes are gone: remove what they left, then end the watchdog
         (last: it cleans up if this process dies before)."""
-        self._procs, self._dying = [], []
+        self._procs, self._dying, self._foreign = [], [], []
         release, self._release_env = self._release_env, None
         if release is not None:
             release()
@@ -414,7 +429,7 @@ class EngineSession:
         # 2 s here); they are waited for once the new engine is up, and by ``close``.
         self._shut_down()
         self._dying += procs.kill(self._procs)
-        self._procs = []
+        self._procs, self._foreign = [], []
         dead_engines, self.leftovers = self.leftovers, set()
         # The dead engine's watchdog stays until what it knows of is cleaned up.
         dead_watchdog, self._watchdog = self._watchdog, None
@@ -457,10 +472,12 @@ class EngineSession:
 
 
 @contextlib.contextmanager
-def _joining(cluster: RayCluster | None) -> Iterator[None]:
-    """The environment an engine joins ``cluster`` with (vLLM's Ray executor reads it in the
-    engine core; nothing without a cluster), restored afterwards."""
-    wanted = cluster.environment() if cluster is not None else {}
+def _joining(cluster: RayCluster | None, address: str | None = None) -> Iterator[None]:
+    """The environment an engine joins ``cluster``, or the running cluster at ``address``,
+    with (vLLM's Ray executor reads it in the engine core; nothing without either), restored
+    afterwards."""
+    wanted = (cluster.environment() if cluster is not None
+              else joining_environment(address) if address is not None else {})
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:

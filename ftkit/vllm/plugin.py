@@ -272,6 +272,11 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     from ftkit.vllm.pipeline import allocate_cpu_eager_buffer
 
     allocate_cpu_eager_buffer(worker, vllm_config)  # the CPU build's shim, recovery on or off
+    # Which process this worker is (pid and start time), for an engine session whose workers
+    # run on a Ray cluster it did not start: what they leave in shared memory is removed.
+    from ftkit.vllm.environment import process_identity
+
+    worker.ftkit_process_identity = process_identity
     config = recovery_settings(vllm_config)
     if config is None:
         return None

@@ -146,9 +146,7 @@ class RayCluster:
         """What an engine's environment needs to join this cluster: its address, and a
         bound on the wait for the ranks' places (the environment's, if it has one)."""
         assert self.address is not None
-        return {RAY_ADDRESS_ENV: self.address,
-                RAY_PLACEMENT_TIMEOUT_ENV: os.environ.get(RAY_PLACEMENT_TIMEOUT_ENV,
-                                                          f"{RAY_PLACEMENT_TIMEOUT_S:g}")}
+        return joining_environment(self.address)
 
     def dead_nodes(self) -> list[int]:
         """The nodes whose ``ray start`` process has ended (a lost node's does: it kills
@@ -215,6 +213,14 @@ class RayCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def joining_environment(address: str) -> dict[str, str]:
+    """What an engine's environment needs to join the Ray cluster at ``address``: the address,
+    and a bound on the wait for the ranks' places (the environment's, if it has one)."""
+    return {RAY_ADDRESS_ENV: address,
+            RAY_PLACEMENT_TIMEOUT_ENV: os.environ.get(RAY_PLACEMENT_TIMEOUT_ENV,
+                                                      f"{RAY_PLACEMENT_TIMEOUT_S:g}")}
 
 
 def _ray_command() -> str:

@@ -165,3 +165,18 @@ def test_a_host_is_its_ray_node_in_a_ray_worker(monkeypatch):
 def test_a_node_is_only_lost_from_a_worker_below_a_raylet():
     with pytest.raises(InjectionError, match="not a raylet"):
         node_processes(psutil.Process())
+
+
+def test_a_running_cluster_is_joined_by_address_but_none_of_its_nodes_is_lost():
+    joined = RAY_ENGINE.replace("  nodes: 2\n", "  ray_address: 127.0.0.1:6379\n")
+    load(joined.replace("node_loss", "ray_worker_kill"))
+    [(field, message)] = errors(joined)
+    assert field == "faults[0].kind" and "cannot start a lost node" in message
+    [(field, message)] = errors(RAY_ENGINE.replace("  nodes: 2\n",
+                                                   "  nodes: 2\n  ray_address: h:1\n")
+                                .replace("node_loss", "ray_worker_kill"))
+    assert field == "engine.nodes" and "leave engine.nodes out" in message
+    mp = joined.replace("distributed_executor_backend: ray", "enforce_eager: true")
+    found = errors(mp.replace("node_loss", "oom"))
+    assert ("engine.ray_address", "a Ray cluster is joined by vLLM's Ray executor only: add "
+            "`distributed_executor_backend: ray` to engine.args") in found

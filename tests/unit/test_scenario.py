@@ -142,7 +142,8 @@ def test_minimal_scenario_takes_the_documented_defaults():
     scenario = load_scenario(DATA / "good" / "minimal.yml")
     assert scenario.engine.model_dump() == {
         "model": "tiny", "tensor_parallel_size": 1, "dtype": "float32", "max_model_len": 512,
-        "block_size": 32, "seed": 0, "mode": "offline", "args": {}, "nodes": 1}
+        "block_size": 32, "seed": 0, "mode": "offline", "args": {}, "nodes": 1,
+        "ray_address": None}
     w = scenario.workload
     assert (w.max_tokens, w.temperature, w.top_p, w.seed) == (64, 0.0, 1.0, None)
     assert (scenario.recovery.enabled, scenario.recovery.max_reinference) == (True, 3)

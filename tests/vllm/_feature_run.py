@@ -4,7 +4,7 @@ a test can use engine settings, environment and patches the session's shared eng
 have.
 
 Usage: ``_feature_run.py CONFIG_JSON``. CONFIG keys: model, engine_args, tensor_parallel_size
-(default 1), nodes (the Ray nodes, default 1), multiprocess (the engine core in a process of its own; default: at tensor
+(default 1), nodes (the Ray nodes, default 1), ray_address (a Ray cluster to join), multiprocess (the engine core in a process of its own; default: at tensor
 parallel 2 and more), env (environment variables set before the first engine starts), event_log_dir,
 prompts, sampling (``SamplingSpec.to_mapping()``), submit_after_steps, and runs: a list of
 ``{"name", "recovery" (bool), "faults" (``FaultSpec`` dicts), "cripple" (a name of
@@ -319,7 +319,7 @@ def run(config: dict, plan: dict) -> dict:
     config = {**config, **plan.get("workload", {})}
     spec = EngineSpec(model=config["model"], args=config.get("engine_args", {}),
                       tensor_parallel_size=config.get("tensor_parallel_size", 1),
-                      nodes=config.get("nodes", 1))
+                      nodes=config.get("nodes", 1), ray_address=config.get("ray_address"))
     config.setdefault("multiprocess", None)
     undo = _cripple(plan.get("cripple"))
     try:

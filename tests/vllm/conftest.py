@@ -132,6 +132,11 @@ class FaultRun:
     logprobs: list[list[float]]
 
 
+def streams(run: dict) -> list[tuple[list[int], list[float]]]:
+    """Each completion's tokens and logprobs, of one run of a ``feature_run`` result."""
+    return [(o["tokens"], o["logprobs"]) for o in run["outputs"]]
+
+
 def feature_run(config: dict, timeout_s: float) -> dict:
     """Run ``_feature_run.py`` with ``config`` in a child process and return its ``RESULT``
     (per run name: completions, error, restarts, ...); the child must succeed."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import feature_run
+from conftest import feature_run, streams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -87,10 +87,6 @@ def results(tiny_model: str, tmp_path_factory) -> dict:
         ]}, timeout_s=850)
 
 
-def _streams(run: dict) -> list[tuple[list[int], list[float]]]:
-    return [(o["tokens"], o["logprobs"]) for o in run["outputs"]]
-
-
 def test_the_oracle_is_complete(results):
     plain = results["plain"]
     assert plain["error"] is None
@@ -102,14 +98,14 @@ def test_two_stages_compute_what_one_rank_does(results):
     # ftkit's plugin loaded, recovery off: vLLM-CPU's eager pipeline runs (the buffer shim).
     run = results["plain_stages"]
     assert run["error"] is None
-    assert _streams(run) == _streams(results["plain"])
+    assert streams(run) == streams(results["plain"])
 
 
 def test_every_kind_on_each_stage_is_recovered_exactly(results):
     run = results["ftkit"]
     assert run["error"] is None
     assert run["restarts"] == 0
-    assert _streams(run) == _streams(results["plain"])
+    assert streams(run) == streams(results["plain"])
     # The KV memory error was repaired on both stages (each recomputes its own layers' KV).
     assert {entry["rank"] for entry in run["kv"]} == {0, 1}
 
@@ -124,7 +120,7 @@ def test_two_stages_of_two_ranks_recover_every_fault_exactly(results):
     run = results["stages_of_two"]
     assert run["error"] is None
     assert run["restarts"] == 0
-    assert _streams(run) == _streams(plain)
+    assert streams(run) == streams(plain)
     assert {entry["rank"] for entry in run["kv"]} == {0, 1, 2, 3}
 
 

@@ -7,8 +7,9 @@ On two nodes (one rank each) a link flap, a device reset and a KV memory error a
 in place across the nodes; then the worker node is lost (every process of it killed) and,
 last, the head node: each time the engine is replaced (the lost node started again first,
 the whole cluster for the head) and every request resumed. The ranks' collectives take the
-gloo path, never shared memory: they are on two nodes. On one node the same link flap is
-recovered with shared memory between the ranks, and a Ray worker killed through Ray is
+gloo path, never shared memory: they are on two nodes. On one node, a running cluster the
+engine joins by its address (``engine.ray_address``; the test starts it), the same link flap
+is recovered with shared memory between the ranks, and a Ray worker killed through Ray is
 replaced. Crippled: without
 the lost node started again the replacement engine finds no place for its rank, and the run
 ends in error.
@@ -24,7 +25,8 @@ import os
 import psutil
 import pytest
 
-from conftest import feature_run
+from conftest import feature_run, streams
+from ftkit.vllm.ray_cluster import RayCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -72,7 +74,14 @@ def _segments() -> set[str]:
 def results(tiny_model: str, tmp_path_factory) -> dict:
     assert not _ray_processes(), "Ray processes run before the test"
     segments = _segments()
-    out = feature_run({
+    with RayCluster(nodes=1, ranks_per_node=2) as joined:
+        out = _run(tiny_model, tmp_path_factory, joined.address)
+    out["left"] = {"ray": _ray_processes(), "segments": sorted(_segments() - segments)}
+    return out
+
+
+def _run(tiny_model: str, tmp_path_factory, address: str) -> dict:
+    return feature_run({
         "model": tiny_model, "prompts": PROMPTS, "sampling": SAMPLING,
         "event_log_dir": str(tmp_path_factory.mktemp("ray-events")),
         "runs": [
@@ -80,17 +89,12 @@ def results(tiny_model: str, tmp_path_factory) -> dict:
             {"name": "two_nodes", "recovery": True, "faults": TWO_NODE_FAULTS,
              "max_restarts": 2, "transports": True, "workload": {**RAY, "nodes": 2}},
             {"name": "one_node", "recovery": True, "faults": ONE_NODE_FAULTS,
-             "max_restarts": 1, "transports": True, "workload": {**RAY, "nodes": 1}},
+             "max_restarts": 1, "transports": True,
+             "workload": {**RAY, "ray_address": address}},
             {"name": "no_revive", "recovery": True, "cripple": "no_revive",
              "faults": [_fault("node_loss", 1, LOST_AT)], "max_restarts": 1,
              "workload": {**RAY, "nodes": 2}},
         ]}, timeout_s=850)
-    out["left"] = {"ray": _ray_processes(), "segments": sorted(_segments() - segments)}
-    return out
-
-
-def _streams(run: dict) -> list[tuple[list[int], list[float]]]:
-    return [(o["tokens"], o["logprobs"]) for o in run["outputs"]]
 
 
 def test_the_oracle_is_complete(results):
@@ -103,7 +107,7 @@ def test_faults_and_deaths_across_two_ray_nodes_are_recovered_exactly(results):
     run = results["two_nodes"]
     assert run["error"] is None
     assert run["restarts"] == 2  # the lost worker node, the lost head
-    assert _streams(run) == _streams(results["plain"])
+    assert streams(run) == streams(results["plain"])
     assert {e["rank"] for e in run["kv"]} == {0, 1}  # the KV error, repaired on both ranks
 
 
@@ -116,7 +120,7 @@ def test_ranks_on_one_node_share_memory_and_a_killed_ray_worker_is_replaced(resu
     run = results["one_node"]
     assert run["error"] is None
     assert run["restarts"] == 1
-    assert _streams(run) == _streams(results["plain"])
+    assert streams(run) == streams(results["plain"])
     for counts in run["transports"]:
         assert counts.get("all_reduce/shm", 0) > 0, counts
 
