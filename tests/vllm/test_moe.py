@@ -177,8 +177,10 @@ def test_a_weights_fault_in_a_fused_expert_weight_is_refused_before_the_run(tp1)
 def test_tp2_every_fault_kind_is_recovered_exactly_with_experts_sharded(tp2):
     from ftkit.kinds import KIND_SPECS
 
+    # Every kind but those that need vLLM's Ray executor (tests/vllm/test_ray.py).
+    on_ray = {"ray_worker_kill", "node_loss"}
     assert {f["kind"] for f in TP2_FAULTS} == {k.value for k, s in KIND_SPECS.items()
-                                               if s.implemented}
+                                               if s.implemented} - on_ray
     _ran(tp2, "fault_free")
     _ran(tp2, "ftkit", restarts=1)
     _every_fault_fired(tp2, TP2_FAULTS)
