@@ -182,12 +182,6 @@ class RayCluster:
             popen.kill()
             popen.wait(timeout=REAP_GRACE_S)
 
-    def kill_node(self, index: int) -> None:
-        """Kill every process of node ``index`` at once (a lost node)."""
-        node = self.nodes[index]
-        node.look()
-        procs.kill_tree(node.proc, also=node.seen)
-
     def close(self) -> None:
         """Shut every node down (the worker nodes first), kill what is left, remove the
         cluster's folder."""
