@@ -62,6 +62,25 @@ def identify(pid: int) -> psutil.Process | None:
         return None
 
 
+def process_identity(pid: int | None = None) -> str:
+    """``pid`` (default: this process) with its start time, ``"<pid>:<start time>"``, to name
+    it to another process: a pid that another process has taken since does not match it
+    (``identified_process``)."""
+    proc = psutil.Process(pid)
+    return f"{proc.pid}:{proc.create_time()!r}"
+
+
+def identified_process(identity: str) -> psutil.Process | None:
+    """The process a ``process_identity`` names, if it still runs on this host; ``None`` for a
+    process that is gone, one whose pid another process has taken, or one on another host."""
+    pid, _, started = identity.partition(":")
+    try:
+        proc = identify(int(pid))
+        return proc if proc is not None and repr(proc.create_time()) == started else None
+    except (ValueError, psutil.Error):
+        return None
+
+
 def descendants(proc: psutil.Process) -> list[psutil.Process]:
     """Every process below ``proc`` now; empty if ``proc`` is gone or is not itself any more."""
     if not alive(proc):

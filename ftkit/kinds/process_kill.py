@@ -68,10 +68,16 @@ class Kill(Injection):
         log.warning("ftkit: SIGKILL to pid %d (%s)", pid, target)
         os.kill(pid, signal.SIGKILL)
         # Killing the engine core from a worker: the worker's own end follows from it.
-        deadline = time.monotonic() + KILL_WAIT_S
-        while time.monotonic() < deadline:
-            time.sleep(KILL_WAIT_POLL_S)
-        raise InjectionError(f"process {pid} was sent SIGKILL but this worker lives on")
+        await_own_end(f"process {pid} was sent SIGKILL but this worker lives on")
+
+
+def await_own_end(outlived: str) -> NoReturn:
+    """Wait for this worker's end, which a kill it sent brings (``KILL_WAIT_S`` at most);
+    ``InjectionError(outlived)`` if it outlives that."""
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(KILL_WAIT_POLL_S)
+    raise InjectionError(outlived)
 
 
 SPECS = (

@@ -23,12 +23,10 @@ import logging
 import os
 import signal
 import sys
-import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import psutil
 
-from ftkit.bounds import KILL_WAIT_POLL_S, KILL_WAIT_S
 from ftkit.errors import InjectionError
 from ftkit.faults import FaultKind
 from ftkit.kinds.base import (
@@ -44,7 +42,7 @@ from ftkit.kinds.base import (
     Problem,
     no_damage,
 )
-from ftkit.kinds.process_kill import killed_once
+from ftkit.kinds.process_kill import await_own_end, killed_once
 
 if TYPE_CHECKING:
     from ftkit.scenario.model import FaultSpec, Scenario
@@ -77,12 +75,6 @@ class _RayKill(Injection):
     def check(self, kind: FaultKind, params: Any, site: InjectionSite) -> None:
         _ray_worker()
 
-    def _wait_for_the_end(self, what: str) -> NoReturn:
-        deadline = time.monotonic() + KILL_WAIT_S
-        while time.monotonic() < deadline:
-            time.sleep(KILL_WAIT_POLL_S)
-        raise InjectionError(f"{what} was killed, but this worker lives on")
-
 
 class KillRayWorker(_RayKill):
     def act(self, firing: Firing, site: InjectionSite) -> NoReturn:
@@ -91,7 +83,7 @@ class KillRayWorker(_RayKill):
         log.warning("ftkit: ray.kill of this rank's Ray worker (rank %d, pid %d)", site.rank,
                     os.getpid())
         ray.kill(actor, no_restart=True)
-        self._wait_for_the_end("the Ray worker")
+        await_own_end("the Ray worker was killed, but this worker lives on")
 
 
 class LoseNode(_RayKill):
@@ -106,7 +98,7 @@ class LoseNode(_RayKill):
                 proc.send_signal(signal.SIGKILL)
             except psutil.Error:
                 continue  # gone already
-        self._wait_for_the_end("the node")
+        await_own_end("the node was killed, but this worker lives on")
 
 
 def node_processes(worker: psutil.Process) -> list[psutil.Process]:

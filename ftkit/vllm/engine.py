@@ -50,7 +50,7 @@ from ftkit.results import RequestOutput
 from ftkit.scenario.model import EngineSpec
 from ftkit.vllm.ray_cluster import RayCluster, joining_environment
 from ftkit.vllm.environment import (ExecuteTimeout, engine_args, engine_environment,
-                                    hold_engine_env, identified_process)
+                                    hold_engine_env)
 from ftkit.vllm.workload import GenerateResult, Workload
 
 log = logging.getLogger("ftkit")
@@ -186,7 +186,7 @@ class EngineSession:
         a Ray cluster it joined started. Only what they hold in shared memory is of concern
         here (noted, removed once the engine is gone); they are neither watched nor killed."""
         identities = self.llm.collective_rpc("ftkit_process_identity")
-        found = [identified_process(identity) for identity in identities]
+        found = [procs.identified_process(identity) for identity in identities]
         return [p for p in found if p is not None and p.pid not in self.pids]
 
     def _track_children(self, me: psutil.Process, before: set[int]) -> None:
@@ -406,9 +406,8 @@ class EngineSession:
         other hosts): Ray tells their death to the executor, which ends the engine core."""
         if self.ray_cluster is None:
             return self._procs
-        on_nodes = {p.pid for node in self.ray_cluster.nodes for p in node.seen}
         self.ray_cluster.look()
-        on_nodes |= {p.pid for node in self.ray_cluster.nodes for p in node.seen}
+        on_nodes = {p.pid for node in self.ray_cluster.nodes for p in node.seen}
         return [p for p in self._procs if p.pid not in on_nodes]
 
     def _unblock_front_end(self, pid: int) -> None:
@@ -476,8 +475,9 @@ def _joining(cluster: RayCluster | None, address: str | None = None) -> Iterator
     """The environment an engine joins ``cluster``, or the running cluster at ``address``,
     with (vLLM's Ray executor reads it in the engine core; nothing without either), restored
     afterwards."""
-    wanted = (cluster.environment() if cluster is not None
-              else joining_environment(address) if address is not None else {})
+    if cluster is not None:
+        address = cluster.address
+    wanted = joining_environment(address) if address is not None else {}
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:

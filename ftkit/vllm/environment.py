@@ -114,26 +114,8 @@ def _as_started_now(defaults: Mapping[str, str]) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
 
-#: The engine core's process (``process_identity``), for its workers.
+#: The engine core's process (``ftkit.procs.process_identity``), for its workers.
 ENGINE_CORE_ENV = "FTKIT_ENGINE_CORE"
-
-
-def process_identity(pid: int | None = None) -> str:
-    """``pid`` (default: this process) with its start time, ``"<pid>:<start time>"``: a pid
-    that another process has taken since does not match it (``identified_process``)."""
-    proc = psutil.Process(pid)
-    return f"{proc.pid}:{proc.create_time()!r}"
-
-
-def identified_process(identity: str) -> psutil.Process | None:
-    """The process a ``process_identity`` names, if it still runs on this host; ``None`` for a
-    process that is gone, one whose pid another process has taken, or one on another host."""
-    pid, _, started = identity.partition(":")
-    try:
-        proc = psutil.Process(int(pid))
-        return proc if repr(proc.create_time()) == started else None
-    except (ValueError, psutil.Error):
-        return None
 
 
 def engine_args(spec: EngineSpec, recovery: RecoveryConfig | None) -> dict[str, Any]:

@@ -177,7 +177,8 @@ def _check_as_executor_starts(executor_class: Any) -> None:
         # The workers' way to the engine core (a ``process_kill`` of target engine): under
         # Ray it is not their parent. Set before the workers start: they inherit it (the
         # multi-process executor) or get the engine core's environment (the Ray executor).
-        from ftkit.vllm.environment import ENGINE_CORE_ENV, process_identity
+        from ftkit.procs import process_identity
+        from ftkit.vllm.environment import ENGINE_CORE_ENV
 
         os.environ[ENGINE_CORE_ENV] = process_identity()
         return original(self)
@@ -274,7 +275,7 @@ def install(worker: Any, vllm_config: Any) -> Any | None:
     allocate_cpu_eager_buffer(worker, vllm_config)  # the CPU build's shim, recovery on or off
     # Which process this worker is (pid and start time), for an engine session whose workers
     # run on a Ray cluster it did not start: what they leave in shared memory is removed.
-    from ftkit.vllm.environment import process_identity
+    from ftkit.procs import process_identity
 
     worker.ftkit_process_identity = process_identity
     config = recovery_settings(vllm_config)

@@ -142,12 +142,6 @@ class RayCluster:
             if new and self._watchdog is not None:
                 self._watchdog.note_processes(new)
 
-    def environment(self) -> dict[str, str]:
-        """What an engine's environment needs to join this cluster: its address, and a
-        bound on the wait for the ranks' places (the environment's, if it has one)."""
-        assert self.address is not None
-        return joining_environment(self.address)
-
     def dead_nodes(self) -> list[int]:
         """The nodes whose ``ray start`` process has ended (a lost node's does: it kills
         what is left of its node and exits)."""

@@ -260,7 +260,8 @@ class FtkitWorker:
         world = int(self.vllm_config.parallel_config.world_size)
         if target == "rank" or world == 1:
             return os.getpid()
-        from ftkit.vllm.environment import ENGINE_CORE_ENV, identified_process
+        from ftkit.procs import identified_process
+        from ftkit.vllm.environment import ENGINE_CORE_ENV
 
         identity = os.environ.get(ENGINE_CORE_ENV)
         core = identified_process(identity) if identity else None

@@ -1,7 +1,7 @@
 """vLLM's Ray executor in scenarios and engines, without an engine: ``engine.nodes``, the Ray
 fault kinds and what ftkit refuses on Ray (``ftkit.scenario.rules._ray_problems``,
 ``ftkit.vllm.runner_state``); the workers' way to the engine core
-(``ftkit.vllm.environment.process_identity``); the shared-memory transport only between
+(``ftkit.procs.process_identity``); the shared-memory transport only between
 ranks on one host (``CpuBackend._one_host``); a lost node's processes
 (``ftkit.kinds.ray_kill.node_processes``). The engines themselves:
 ``tests/vllm/test_ray.py``."""
@@ -22,7 +22,7 @@ from ftkit.backends.cpu import CpuBackend
 from ftkit.errors import InjectionError
 from ftkit.kinds.ray_kill import node_processes
 from ftkit.scenario import ScenarioErrors, load_scenario, load_scenario_text
-from ftkit.vllm.environment import identified_process, process_identity
+from ftkit.procs import identified_process, process_identity
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY_ENGINE = """\
