@@ -88,10 +88,13 @@ class _Completion:
 class RestartingEngine:
     """An engine client that replaces its engine when it dies (see the module)."""
 
-    def __init__(self, start: Callable[[bool], Any], config: RecoveryConfig) -> None:
+    def __init__(self, start: Callable[[bool], Any], config: RecoveryConfig,
+                 name: str = "the engine") -> None:
         """``start(primary)``: a new engine (``primary`` False: a standby, which keeps no
-        statistics of its own until it takes over)."""
+        statistics of its own until it takes over). ``name``: what the log calls it (a
+        data-parallel replica's, ``ftkit.vllm.replicas``)."""
         self._start = start
+        self.name = name
         self.max_restarts = config.max_restarts
         self.standby_wanted = config.standby
         #: The replacements, in the ranks' event log when the settings name one.
@@ -301,7 +304,7 @@ class RestartingEngine:
             if not engine.errored and self._can_restart() and watched.one_died():
                 # vLLM itself sees a worker's death only once its engine core has given the
                 # other workers their grace periods (seconds): the engine is dead now.
-                log.warning("ftkit: a process of the engine died (%s)", watched.dead)
+                log.warning("ftkit: a process of %s died (%s)", self.name, watched.dead)
                 _mark_dead(engine)
             if engine.errored and self._replacing is None and self._can_restart():
                 await self._replaced(engine)
@@ -313,7 +316,7 @@ class RestartingEngine:
             return True
         if self._replacing is None:
             if not self._can_restart():
-                log.error("ftkit: the engine died and all %d restart(s) are used up",
+                log.error("ftkit: %s died and all %d restart(s) are used up", self.name,
                           self.max_restarts)
                 return False
             self._replacing = asyncio.ensure_future(self._replace(dead))
@@ -331,8 +334,8 @@ class RestartingEngine:
         _end_requests(dead)
         self.restarts += 1
         began = self._death_at = time.monotonic()
-        log.warning("ftkit: the engine died (%s); replacing it (restart %d of %d, %s)",
-                    _death_of(dead), self.restarts, self.max_restarts,
+        log.warning("ftkit: %s died (%s); replacing it (restart %d of %d, %s)",
+                    self.name, _death_of(dead), self.restarts, self.max_restarts,
                     "from the warm standby" if self._standby_ready() else "a new engine")
         loop = asyncio.get_running_loop()
         standby = self._standby_ready()
@@ -356,7 +359,9 @@ class RestartingEngine:
             if standby:  # the streams go on at once; the dead engine is ended behind them
                 self._ending.add(asyncio.ensure_future(self._end_dead_behind(dead)))
             self.restart_seconds.append(time.monotonic() - began)
-            log.warning("ftkit: the new engine serves after %.2f s", self.restart_seconds[-1])
+            log.warning("ftkit: the new engine%s serves after %.2f s",
+                        "" if self.name == "the engine" else f" of {self.name}",
+                        self.restart_seconds[-1])
             self._events.emit(EngineReplaced(error=_death_of(dead),
                                              restart_s=self.restart_seconds[-1],
                                              standby=standby))
@@ -433,6 +438,17 @@ class RestartingEngine:
         if standby is not None:
             return standby
         return self._started(True)
+
+
+def independent_replicas(vllm_config: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a server's engine is N > 1 independent data-parallel replicas that ftkit
+    replaces one at a time (``ftkit.vllm.replicas``): a dense model's, with this API server
+    the only client of its engines (vLLM starts them itself: no ``client_addresses``)."""
+    parallel = vllm_config.parallel_config
+    return (int(getattr(parallel, "data_parallel_size", 1) or 1) > 1
+            and not getattr(vllm_config.model_config, "is_moe", False)
+            and not kwargs.get("client_addresses")
+            and getattr(parallel, "data_parallel_backend", "mp") == "mp")
 
 
 #: The shared memory segments of the engines this server process started: removed when it
@@ -829,6 +845,11 @@ def install() -> None:
             engine = original(cls, vllm_config, *args, **kwargs)
             remove_at_exit(_Processes.of(engine).shared_memory)
             return engine
+
+        if independent_replicas(vllm_config, kwargs):
+            from ftkit.vllm.replicas import start_replicas
+
+            return start_replicas(original, cls, vllm_config, args, kwargs, config)
 
         # Each engine after the first starts from a copy of the configuration as it was
         # before any start: vLLM writes into it while it starts an engine (with data
