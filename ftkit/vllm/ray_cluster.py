@@ -13,9 +13,11 @@ What ``close`` (and, if this process dies first, the cluster's watchdog) removes
 process of every node, found by pid and start time, and the cluster's temporary folder
 (Ray's session folder: logs, sockets).
 
-Measured on Ray 2.60: its GCS and raylets listen on every interface whatever the node's
-address, so a firewall is what keeps other hosts out; the client server and the agents bind
-the node's address (``127.0.0.1``).
+Measured on Ray 2.60: ``ray start`` replaces the loopback node address with the host's
+reachable one (where multi-node clusters are enabled), its GCS, raylets and autoscaler
+monitor listen on every interface and its agents and client server on the host's address,
+so a firewall is what keeps other hosts out (``docs/faults.md``, "Ray executor and several
+nodes", says what would bind them to 127.0.0.1).
 """
 
 from __future__ import annotations
