@@ -48,6 +48,17 @@ _ON_EVERY_REPLICA = frozenset({
 })
 
 
+def independent_replicas(vllm_config: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a server's engine is N > 1 independent data-parallel replicas that ftkit
+    replaces one at a time (``start_replicas``): a dense model's, with this API server
+    the only client of its engines (vLLM starts them itself: no ``client_addresses``)."""
+    parallel = vllm_config.parallel_config
+    return (int(getattr(parallel, "data_parallel_size", 1) or 1) > 1
+            and not getattr(vllm_config.model_config, "is_moe", False)
+            and not kwargs.get("client_addresses")
+            and getattr(parallel, "data_parallel_backend", "mp") == "mp")
+
+
 def replica_config(pristine: Any, index: int) -> Any:
     """A copy of ``pristine`` (a server's ``VllmConfig`` with data-parallel size N, as it
     was before vLLM started anything) for replica ``index`` alone: an engine of
@@ -292,8 +303,9 @@ def start_replicas(original: Callable[..., Any], cls: Any, vllm_config: Any, arg
     size = int(vllm_config.parallel_config.data_parallel_size)
     statistics_on = not kwargs.get("disable_log_stats", False)
     custom = list(kwargs.get("stat_loggers") or [])
-    engine_kwargs = {**kwargs, "disable_log_stats": True,
-                     "stat_loggers": [quiet_stat_logger()]}
+    # Statistics wanted: each engine keeps them, for the server's manager to record.
+    engine_kwargs = ({**kwargs, "disable_log_stats": True, "stat_loggers": [quiet_stat_logger()]}
+                     if statistics_on or custom else kwargs)
 
     def starter(index: int) -> Callable[[bool], Any]:
         def start(primary: bool) -> Any:
@@ -303,7 +315,7 @@ def start_replicas(original: Callable[..., Any], cls: Any, vllm_config: Any, arg
     log.warning("ftkit: this server runs %d data-parallel replicas, each replaced alone when "
                 "it dies (up to %d time(s) each)%s", size, config.max_restarts,
                 ", each with a warm standby" if config.standby else "")
-    replicas = [RestartingEngine(starter(i), config, name=f"replica {i}")
+    replicas = [RestartingEngine(starter(i), config, replica=i)
                 for i in range(size)]
     statistics = None
     if statistics_on or custom:

@@ -89,12 +89,14 @@ class RestartingEngine:
     """An engine client that replaces its engine when it dies (see the module)."""
 
     def __init__(self, start: Callable[[bool], Any], config: RecoveryConfig,
-                 name: str = "the engine") -> None:
+                 replica: int | None = None) -> None:
         """``start(primary)``: a new engine (``primary`` False: a standby, which keeps no
-        statistics of its own until it takes over). ``name``: what the log calls it (a
-        data-parallel replica's, ``ftkit.vllm.replicas``)."""
+        statistics of its own until it takes over). ``replica``: the data-parallel replica
+        whose engine this is (``ftkit.vllm.replicas``), which the log names."""
         self._start = start
-        self.name = name
+        #: What the log calls the engine, and the new one.
+        self.name = "the engine" if replica is None else f"replica {replica}"
+        self._new_name = "the new engine" + ("" if replica is None else f" of {self.name}")
         self.max_restarts = config.max_restarts
         self.standby_wanted = config.standby
         #: The replacements, in the ranks' event log when the settings name one.
@@ -359,8 +361,7 @@ class RestartingEngine:
             if standby:  # the streams go on at once; the dead engine is ended behind them
                 self._ending.add(asyncio.ensure_future(self._end_dead_behind(dead)))
             self.restart_seconds.append(time.monotonic() - began)
-            log.warning("ftkit: the new engine%s serves after %.2f s",
-                        "" if self.name == "the engine" else f" of {self.name}",
+            log.warning("ftkit: %s serves after %.2f s", self._new_name,
                         self.restart_seconds[-1])
             self._events.emit(EngineReplaced(error=_death_of(dead),
                                              restart_s=self.restart_seconds[-1],
@@ -438,17 +439,6 @@ class RestartingEngine:
         if standby is not None:
             return standby
         return self._started(True)
-
-
-def independent_replicas(vllm_config: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a server's engine is N > 1 independent data-parallel replicas that ftkit
-    replaces one at a time (``ftkit.vllm.replicas``): a dense model's, with this API server
-    the only client of its engines (vLLM starts them itself: no ``client_addresses``)."""
-    parallel = vllm_config.parallel_config
-    return (int(getattr(parallel, "data_parallel_size", 1) or 1) > 1
-            and not getattr(vllm_config.model_config, "is_moe", False)
-            and not kwargs.get("client_addresses")
-            and getattr(parallel, "data_parallel_backend", "mp") == "mp")
 
 
 #: The shared memory segments of the engines this server process started: removed when it
@@ -846,9 +836,9 @@ def install() -> None:
             remove_at_exit(_Processes.of(engine).shared_memory)
             return engine
 
-        if independent_replicas(vllm_config, kwargs):
-            from ftkit.vllm.replicas import start_replicas
+        from ftkit.vllm.replicas import independent_replicas, start_replicas
 
+        if independent_replicas(vllm_config, kwargs):
             return start_replicas(original, cls, vllm_config, args, kwargs, config)
 
         # Each engine after the first starts from a copy of the configuration as it was

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from ftkit.vllm.replicas import ReplicatedEngine, replica_config
-from ftkit.vllm.restart import independent_replicas
+from ftkit.vllm.replicas import ReplicatedEngine, independent_replicas, replica_config
 
 
 class Replica:
