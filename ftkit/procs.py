@@ -23,6 +23,7 @@ and the pytest plugin (through the engine session). What a caller may rely on:
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
@@ -121,6 +122,33 @@ def _mapped_shared_memory(proc: psutil.Process) -> set[str]:
             if path.startswith(SHM_DIR) and not path.endswith(" (deleted)"):
                 found.add(path)
     return found
+
+
+def listening(processes: Iterable[psutil.Process]) -> list[tuple[str, int, str]]:
+    """Every TCP socket ``processes`` listen on now: (address, port, process name), sorted;
+    an IPv4 address mapped into IPv6 (``::ffff:127.0.0.1``) is given as IPv4. Processes gone
+    meanwhile are left out."""
+    found = []
+    for proc in processes:
+        try:
+            conns = proc.net_connections(kind="tcp")
+            name = proc.name()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        found += [(unmapped(c.laddr.ip), c.laddr.port, name) for c in conns
+                  if c.status == psutil.CONN_LISTEN]
+    return sorted(found)
+
+
+def unmapped(host: str) -> str:
+    """``host``, or the IPv4 address it maps into IPv6 (``::ffff:127.0.0.1`` gives
+    ``127.0.0.1``)."""
+    try:
+        inner = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host
+    mapped = getattr(inner, "ipv4_mapped", None)
+    return str(mapped) if mapped is not None else host
 
 
 def remove_files(paths: Iterable[str]) -> list[str]:

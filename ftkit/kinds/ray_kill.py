@@ -103,8 +103,8 @@ class LoseNode(_RayKill):
 
 def node_processes(worker: psutil.Process) -> list[psutil.Process]:
     """Every process of the Ray node ``worker`` (a Ray worker process) runs on: its raylet and
-    everything below it, and where a ``ray start`` process owns the raylet, that one and
-    everything below it."""
+    everything below it, and where a process owns the node (``ray start``, or the worker node
+    of ftkit's cluster, ``ftkit.vllm.ray_node``), that one and everything below it."""
     raylet = worker.parent()
     if raylet is None or "raylet" not in raylet.name():
         raise InjectionError(f"this worker's parent is not a raylet "
@@ -112,16 +112,16 @@ def node_processes(worker: psutil.Process) -> list[psutil.Process]:
     root = raylet
     owner = raylet.parent()
     try:
-        if owner is not None and _is_ray_start(owner.cmdline()):
+        if owner is not None and _owns_a_node(owner.cmdline()):
             root = owner
     except psutil.Error:
         pass
     return [root, *root.children(recursive=True)]
 
 
-def _is_ray_start(cmdline: list[str]) -> bool:
+def _owns_a_node(cmdline: list[str]) -> bool:
     words = [os.path.basename(part) for part in cmdline]
-    return "ray" in words and "start" in words
+    return ("ray" in words and "start" in words) or "ftkit.vllm.ray_node" in words
 
 
 SPECS = (

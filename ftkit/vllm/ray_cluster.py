@@ -1,32 +1,38 @@
-"""A Ray cluster on this host for vLLM's Ray executor: one head and N-1 worker nodes.
+"""A Ray cluster on this host for vLLM's Ray executor: one head and N-1 worker nodes, every
+Ray process listening on 127.0.0.1 only.
 
-``RayCluster`` starts each node as ``ray start --block``, a process of ftkit's that owns the
-node's Ray processes (its GCS on the head, its raylet and the workers the raylet starts): a
-SIGTERM to it shuts the node down, and Ray's own reaper kills the node's processes when it
-dies otherwise. Each node advertises one ``RAY_CPU_DEVICE`` per rank it may hold (the CPU
-build's device resource, ``ftkit.vllm.ray_cpu``), no CPUs (vLLM's actors ask for none, and a
-node without CPUs starts no idle workers), no dashboard and a small object store (vLLM passes
-its steps through its own queues, not Ray's). Every node uses ``127.0.0.1`` as its address,
-and the ports it picks are free ones on this host.
+Each node is a process of ftkit's that owns the node's Ray processes (its GCS on the head, its
+raylet, agents and the workers the raylet starts): the head is ``ray start --head --block``,
+a worker node ``python -m ftkit.vllm.ray_node`` (Ray's command refuses worker nodes that keep
+a loopback address: see that module). A SIGTERM to it shuts the node down; when one of the
+node's processes ends it ends the rest and exits (a lost node); when it dies otherwise, Ray's
+reaper kills the node's processes. Each node advertises one ``RAY_CPU_DEVICE`` per rank it
+may hold (the CPU build's device resource, ``ftkit.vllm.ray_cpu``), no CPUs (vLLM's actors
+ask for none, and a node without CPUs starts no idle workers), no dashboard and a small object
+store (vLLM passes its steps through its own queues, not Ray's).
+
+Binding: ``ray start`` replaces a loopback node address with the host's reachable one (where
+multi-node clusters are enabled, as on Linux), and its GCS, raylets, agents and autoscaler
+monitor then listen on the host's interfaces (measured on Ray 2.60). Every node here runs with
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (``LOCAL_ONLY_ENV``), Ray's switch that keeps the node
+address 127.0.0.1, and so every listener on it; an engine joins with the same switch
+(``joining_environment``), else its driver would look for the cluster at the host's address.
 
 What ``close`` (and, if this process dies first, the cluster's watchdog) removes: every
 process of every node, found by pid and start time, and the cluster's temporary folder
 (Ray's session folder: logs, sockets).
-
-Measured on Ray 2.60: ``ray start`` replaces the loopback node address with the host's
-reachable one (where multi-node clusters are enabled), its GCS, raylets and autoscaler
-monitor listen on every interface and its agents and client server on the host's address,
-so a firewall is what keeps other hosts out (``docs/faults.md``, "Ray executor and several
-nodes", says what would bind them to 127.0.0.1).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import logging
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -38,18 +44,18 @@ from ftkit import procs
 from ftkit.bounds import RAY_PLACEMENT_TIMEOUT_ENV, RAY_PLACEMENT_TIMEOUT_S, REAP_GRACE_S
 from ftkit.errors import EngineError
 from ftkit.vllm.ray_cpu import RAY_CPU_DEVICE
+from ftkit.vllm.ray_node import LOCAL_ONLY_ENV, LOCALHOST, READY_LINE
 
 log = logging.getLogger("ftkit")
 
 #: A node's start: ``ray start`` says it blocks once its processes run.
 RAY_NODE_START_S = 90.0
-#: The line ``ray start --block`` prints once the node is up.
-_READY_LINE = "This command will now block forever"
+#: The line ``ray start --block`` prints once the head is up.
+_HEAD_READY_LINE = "This command will now block forever"
 #: Each node's object store (Ray's minimum is 75 MiB).
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
 #: Where the cluster's address reaches the engine (vLLM's Ray executor joins it).
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
-LOCALHOST = "127.0.0.1"
 
 
 @dataclass
@@ -92,32 +98,44 @@ class RayCluster:
         try:
             port = _free_port()
             self.address = f"{LOCALHOST}:{port}"
-            self._start_node(["--head", f"--port={port}", f"--temp-dir={self.tmp_dir}",
-                              f"--ray-client-server-port={_free_port()}",
-                              "--include-dashboard=false", "--disable-usage-stats"])
-            for _ in range(1, self.node_count):
-                self._start_node([f"--address={self.address}"])
+            self._start_node(0)
+            for index in range(1, self.node_count):
+                self._start_node(index)
         except BaseException:
             self.close()
             raise
         log.info("ftkit: Ray cluster of %d node(s) at %s", self.node_count, self.address)
         return self
 
-    def _start_node(self, args: list[str], index: int | None = None) -> RayNode:
-        """Start node ``index`` (default: a new one) and wait until it runs."""
-        new = index is None
-        index = len(self.nodes) if index is None else index
-        assert self.tmp_dir is not None and self._watchdog is not None
+    def _node_command(self, index: int) -> tuple[list[str], str]:
+        """Node ``index``'s command line, and the line it prints once its node runs."""
+        assert self.address is not None and self.tmp_dir is not None
+        resources = {RAY_CPU_DEVICE: self.ranks_per_node}
+        if index == 0:
+            port = self.address.rpartition(":")[2]
+            return [_ray_command(), "start", "--head", "--block",
+                    f"--node-ip-address={LOCALHOST}", f"--port={port}",
+                    f"--temp-dir={self.tmp_dir}", "--num-cpus=0",
+                    f"--resources={json.dumps(resources)}",
+                    f"--object-store-memory={OBJECT_STORE_BYTES}",
+                    f"--dashboard-agent-listen-port={_free_port()}",
+                    f"--ray-client-server-port={_free_port()}",
+                    "--include-dashboard=false", "--disable-usage-stats"], _HEAD_READY_LINE
+        spec = {"address": self.address, "resources": resources,
+                "object_store_bytes": OBJECT_STORE_BYTES, "agent_port": _free_port()}
+        return [sys.executable, "-m", "ftkit.vllm.ray_node", json.dumps(spec)], READY_LINE
+
+    def _start_node(self, index: int) -> RayNode:
+        """Start node ``index`` (a new one, or one in place of a lost one) and wait until it
+        runs."""
+        assert self._watchdog is not None
+        argv, ready = self._node_command(index)
         log_path = os.path.join(self.tmp_dir, f"node-{index}.log")
-        argv = [_ray_command(), "start", "--block", f"--node-ip-address={LOCALHOST}",
-                "--num-cpus=0", f"--resources={{\"{RAY_CPU_DEVICE}\": {self.ranks_per_node}}}",
-                f"--object-store-memory={OBJECT_STORE_BYTES}",
-                f"--dashboard-agent-listen-port={_free_port()}", *args]
         with open(log_path, "wb") as out:
             popen = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env={**os.environ, **LOCAL_ONLY_ENV})
         node = RayNode(index, psutil.Process(popen.pid), log_path)
-        if new:
+        if index == len(self.nodes):
             self._popens.append(popen)
             self.nodes.append(node)
         else:
@@ -125,10 +143,10 @@ class RayCluster:
             self.nodes[index] = node
         self._watchdog.note_processes([node.proc])
         deadline = time.monotonic() + RAY_NODE_START_S
-        while _READY_LINE not in _read(log_path):
+        while ready not in _read(log_path):
             self._watchdog.note_processes(node.look())
             if popen.poll() is not None:
-                raise EngineError(f"Ray node {index} did not start (ray start exited with "
+                raise EngineError(f"Ray node {index} did not start (its command exited with "
                                   f"{popen.returncode}):\n{_tail(log_path)}")
             if time.monotonic() > deadline:
                 raise EngineError(f"Ray node {index} did not start within "
@@ -144,9 +162,14 @@ class RayCluster:
             if new and self._watchdog is not None:
                 self._watchdog.note_processes(new)
 
+    def listening(self) -> list[tuple[str, int, str]]:
+        """Every TCP socket the cluster's processes listen on now (``procs.listening``)."""
+        self.look()
+        return procs.listening(p for node in self.nodes for p in [node.proc, *node.seen])
+
     def dead_nodes(self) -> list[int]:
-        """The nodes whose ``ray start`` process has ended (a lost node's does: it kills
-        what is left of its node and exits)."""
+        """The nodes whose own process has ended (a lost node's does: it kills what is left
+        of its node and exits)."""
         return [node.index for node in self.nodes if not procs.alive(node.proc)]
 
     def revive(self) -> list[int]:
@@ -167,7 +190,7 @@ class RayCluster:
             node.look()
             procs.wait_gone(procs.kill(p for p in node.seen if procs.alive(p)))
             self._reap(index)
-            self._start_node([f"--address={self.address}"], index)
+            self._start_node(index)
         return dead
 
     def _reap(self, index: int) -> None:
@@ -207,16 +230,30 @@ class RayCluster:
 
 def joining_environment(address: str) -> dict[str, str]:
     """What an engine's environment needs to join the Ray cluster at ``address``: the address,
-    and a bound on the wait for the ranks' places (the environment's, if it has one)."""
-    return {RAY_ADDRESS_ENV: address,
-            RAY_PLACEMENT_TIMEOUT_ENV: os.environ.get(RAY_PLACEMENT_TIMEOUT_ENV,
-                                                      f"{RAY_PLACEMENT_TIMEOUT_S:g}")}
+    a bound on the wait for the ranks' places (the environment's, if it has one) and, for an
+    address on 127.0.0.1 (a cluster of this host, such as ftkit's), Ray's switch that keeps
+    the driver there (``LOCAL_ONLY_ENV``; without it Ray looks for the cluster at the host's
+    address, where a cluster of ftkit's does not listen)."""
+    env = {RAY_ADDRESS_ENV: address,
+           RAY_PLACEMENT_TIMEOUT_ENV: os.environ.get(RAY_PLACEMENT_TIMEOUT_ENV,
+                                                     f"{RAY_PLACEMENT_TIMEOUT_S:g}")}
+    if _is_loopback(address.rpartition(":")[0]):
+        env.update(LOCAL_ONLY_ENV)
+    return env
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(procs.unmapped(host)).is_loopback
+    except ValueError:
+        return False
 
 
 def _ray_command() -> str:
     """The ``ray`` command of this Python environment."""
-    import sys
-
     found = os.path.join(os.path.dirname(sys.executable), "ray")
     if not os.path.exists(found):
         raise EngineError("Ray is not installed here: install ftkit with its `ray` extra "

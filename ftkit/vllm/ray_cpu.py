@@ -11,7 +11,9 @@ shim gives it what CUDA and Ascend have:
   may hold;
 - the executor's worker class becomes a subclass whose device lookup answers the Ray node id
   and device 0 (a CPU rank has no device id; vLLM then numbers the ranks of each node in
-  order, their local ranks).
+  order, their local ranks); on a node at a loopback address (a cluster of ftkit's, which
+  listens on 127.0.0.1 only) its rendezvous store for the ranks listens there too, where
+  vLLM's would listen on every interface.
 
 Nothing else of vLLM's Ray executor changes: it places the ranks, starts them as Ray actors,
 sends them steps through its message queues (shared memory on the driver's node, TCP from
@@ -22,7 +24,9 @@ own Ray support is used unchanged. Remove it once vLLM-CPU supports Ray.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 from typing import Any
 
 log = logging.getLogger("ftkit")
@@ -69,6 +73,7 @@ def _worker_class() -> Any:
             "__qualname__": "CpuRayWorkerProc",
             "__doc__": "vLLM's Ray worker, answering its device lookup for a CPU rank.",
             "get_node_and_physical_gpu_ids": _node_and_device,
+            "create_dist_init_method": _dist_init_method,
         })
         globals()["CpuRayWorkerProc"] = made
     return made
@@ -79,6 +84,28 @@ def _node_and_device(self: Any) -> tuple[str, list[int]]:
     import ray
 
     return ray.get_runtime_context().get_node_id(), [0]
+
+
+def _dist_init_method(self: Any) -> str:
+    """vLLM's, but on a node at a loopback address (ftkit's cluster) the rank's rendezvous
+    store listens there only: vLLM asks torch for a store on port 0, and torch then listens on
+    every interface (measured, torch 2.13). Elsewhere vLLM's own."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(host).is_loopback:
+        return super(_worker_class(), self).create_dist_init_method()
+    from torch.distributed import TCPStore
+    from vllm.utils.network_utils import get_distributed_init_method
+
+    listener = socket.create_server((host, 0))
+    port = listener.getsockname()[1]
+    # The store owns the socket from here (master_listen_fd).
+    self._dist_init_store = TCPStore(
+        host_name=host, port=port, world_size=self._parallel_config.world_size,
+        is_master=True, wait_for_workers=False, multi_tenant=True,
+        master_listen_fd=listener.detach())
+    return get_distributed_init_method(host, port)
 
 
 def __getattr__(name: str) -> Any:

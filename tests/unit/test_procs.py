@@ -216,3 +216,25 @@ def test_a_killed_processs_segment_is_found_while_it_lives_and_removed_once_reap
     assert procs.remove_files([segment_path, segment_path + "-never-made"]) == [segment_path]
     assert not os.path.exists(segment_path)
     assert procs.shared_memory_files([held]) == set()  # a gone process holds nothing
+
+
+def test_listening_names_each_listening_socket_with_its_address_as_ipv4():
+    import socket
+
+    me = psutil.Process()
+    with socket.socket() as v4, socket.socket(socket.AF_INET6) as v6:
+        v4.bind(("127.0.0.1", 0))
+        v4.listen()
+        v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # dual-stack
+        v6.bind(("::ffff:127.0.0.1", 0))
+        v6.listen()
+        with socket.create_connection(v4.getsockname()) as connected:  # not listening
+            found = procs.listening([me])
+            v4_port, v6_port = v4.getsockname()[1], v6.getsockname()[1]
+            client_port = connected.getsockname()[1]
+    ports = {port: ip for ip, port, _ in found}
+    assert ports[v4_port] == "127.0.0.1"
+    assert ports[v6_port] == "127.0.0.1"  # ::ffff:127.0.0.1 given as IPv4
+    assert client_port not in ports
+    assert {name for _, _, name in found} == {me.name()}
+    assert procs.unmapped("::1") == "::1" and procs.unmapped("not an address") == "not an address"

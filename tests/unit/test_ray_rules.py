@@ -3,7 +3,8 @@ fault kinds and what ftkit refuses on Ray (``ftkit.scenario.rules._ray_problems`
 ``ftkit.vllm.runner_state``); the workers' way to the engine core
 (``ftkit.procs.process_identity``); the shared-memory transport only between
 ranks on one host (``CpuBackend._one_host``); a lost node's processes
-(``ftkit.kinds.ray_kill.node_processes``). The engines themselves:
+(``ftkit.kinds.ray_kill.node_processes``); the environment an engine joins a cluster with
+(``ftkit.vllm.ray_cluster.joining_environment``). The engines themselves:
 ``tests/vllm/test_ray.py``."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ftkit.errors import InjectionError
 from ftkit.kinds.ray_kill import node_processes
 from ftkit.scenario import ScenarioErrors, load_scenario, load_scenario_text
 from ftkit.procs import identified_process, process_identity
+from ftkit.vllm.ray_cluster import RAY_ADDRESS_ENV, joining_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY_ENGINE = """\
@@ -180,3 +182,15 @@ def test_a_running_cluster_is_joined_by_address_but_none_of_its_nodes_is_lost():
     found = errors(mp.replace("node_loss", "oom"))
     assert ("engine.ray_address", "a Ray cluster is joined by vLLM's Ray executor only: add "
             "`distributed_executor_backend: ray` to engine.args") in found
+
+
+def test_an_engine_joins_a_cluster_on_127_0_0_1_with_rays_local_switch():
+    # A cluster of this host (ftkit's listens on 127.0.0.1 only): Ray must not look for it
+    # at the host's address. A cluster elsewhere is joined as Ray joins it.
+    for address in ("127.0.0.1:6379", "localhost:6379", "[::1]:6379"):
+        env = joining_environment(address)
+        assert env[RAY_ADDRESS_ENV] == address
+        assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", address
+    env = joining_environment("10.0.0.5:6379")
+    assert env[RAY_ADDRESS_ENV] == "10.0.0.5:6379"
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in env

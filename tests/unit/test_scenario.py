@@ -130,9 +130,10 @@ def test_load_scenarios_expands_the_bundled_directory_sorted():
     names = [Path(f).name for f, _ in loaded]
     assert names == sorted(p.name for p in BUNDLED.glob("*.yaml"))
     # Every fault kind has at least one bundled scenario: those of vLLM's Ray executor in
-    # scenarios/ray/, and two pipeline stages of two ranks in scenarios/pipeline/ (not in the
-    # library's run: their clusters and engines cost minutes).
-    loaded += load_scenarios([BUNDLED / "ray", BUNDLED / "pipeline"])
+    # scenarios/ray/, two pipeline stages of two ranks in scenarios/pipeline/ and the engine
+    # core killed under seeded sampling in scenarios/resume/ (not in the library's run: their
+    # clusters and engines cost minutes, and tests/vllm check the same faults).
+    loaded += load_scenarios([BUNDLED / "ray", BUNDLED / "pipeline", BUNDLED / "resume"])
     kinds = {str(f.kind) for _, s in loaded for f in s.faults}
     assert kinds == {str(k) for k in FaultKind}
 

@@ -11,7 +11,9 @@ prompts, sampling (``SamplingSpec.to_mapping()``), submit_after_steps, and runs:
 ``CRIPPLES``, a list of them switched off together, or null; most patch this process only, so
 not the workers of a multi-process engine; those of ``EVERYWHERE`` also reach every process the
 engine starts), "max_restarts" (engine restarts after a process died, default 0), "transports" (also return
-each rank's collectives by path, ``ftkit_transport_counts``), "workload"
+each rank's collectives by path, ``ftkit_transport_counts``), "listening" (also return
+the TCP sockets every process below this one listens on after the run, ``procs.listening``),
+"workload"
 (optional: any of CONFIG's keys above but env, for this run)}``, run one after the other, each
 on an engine of its own (its cripples are undone after its run). Prints one
 ``RESULT <json>`` line: per run name, every completion's tokens, logprobs, finish and stop
@@ -29,6 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from ftkit import procs
 from ftkit.config import RecoveryConfig
 from ftkit.contracts.eventlog import KvRecomputed, only, read_events
 from ftkit.contracts.job import SamplingSpec
@@ -362,6 +367,9 @@ def _run(config: dict, spec: EngineSpec, plan: dict) -> dict:
         transports = None
         if plan.get("transports") and out.error is None:
             transports = engine.llm.collective_rpc("ftkit_transport_counts")
+        # Every process below this one, the engine's and its Ray cluster's, still running.
+        listening = procs.listening(procs.descendants(psutil.Process())) \
+            if plan.get("listening") else None
     kv = []
     if recovery is not None:
         kv = [{"rank": e.rank, "requests": e.requests, "tokens": e.tokens}
@@ -370,7 +378,7 @@ def _run(config: dict, spec: EngineSpec, plan: dict) -> dict:
             "outputs": [{"key": list(r.key), "tokens": r.token_ids, "logprobs": r.logprobs,
                          "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
                          "text": r.text} for r in out.requests],
-            "restarts": len(out.restarts), "transports": transports,
+            "restarts": len(out.restarts), "transports": transports, "listening": listening,
             "kv": kv, "schedule": spy.to_mapping()}
 
 

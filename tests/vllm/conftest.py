@@ -45,12 +45,24 @@ SEEDED = SamplingSpec(max_tokens=40, temperature=0.9, top_p=0.95, seed=1234)
 #: Long enough to cross a third KV block (position 64), where a duplicated block id bites.
 LONG = SamplingSpec(max_tokens=88)
 WORKLOADS = {"greedy": GREEDY, "seeded": SEEDED, "long": LONG}
+#: Other modules' fault-free runs that only pick their faults' settings (a stop string, a bad
+#: word): prompts and sampling, run on the baseline's engine instead of an engine of their own.
+RESUME_PROMPTS = ["A small boat crossed the quiet lake at night.",
+                  "Write a short story about a river and a mountain."]
+FEATURE_PROMPTS = [*RESUME_PROMPTS, "The old clock in the hall struck twelve."]
+PLAIN_RUNS = {"resume_stop": (RESUME_PROMPTS, SamplingSpec(max_tokens=30)),
+              "resume_features": (FEATURE_PROMPTS, SamplingSpec.from_mapping({
+                  "max_tokens": 28,
+                  "requests": [{}, {"frequency_penalty": 0.8, "presence_penalty": 0.8},
+                               {"n": 2, "temperature": 0.8, "seed": 7}]}))}
 
 
 @dataclass
 class Baseline:
     tokens: dict[str, list[list[int]]]
     prompt_lens: list[int]
+    #: Per name of ``PLAIN_RUNS``: each completion's tokens and text, in request order.
+    plain_runs: dict[str, list[dict]]
 
 
 @pytest.fixture(scope="session")
@@ -67,9 +79,14 @@ def baseline(tiny_model: str) -> Baseline:
             out = engine.generate(PROMPTS, sampling)
             assert out.error is None, out.error
             tokens[name] = [r.token_ids for r in out.requests]
+        plain_runs = {}
+        for name, (prompts, sampling) in PLAIN_RUNS.items():
+            out = engine.generate(prompts, sampling)
+            assert out.error is None, out.error
+            plain_runs[name] = [{"tokens": r.token_ids, "text": r.text} for r in out.requests]
         tokenizer = engine.llm.get_tokenizer()
         lens = [len(tokenizer.encode(p)) for p in PROMPTS]
-    return Baseline(tokens, lens)
+    return Baseline(tokens, lens, plain_runs)
 
 
 def recovery_config(event_log_dir: str, **overrides) -> RecoveryConfig:

@@ -14,8 +14,10 @@ replaced. Crippled: without
 the lost node started again the replacement engine finds no place for its rank, and the run
 ends in error.
 
-One child process (``_feature_run.py``) runs each engine in turn; every Ray process and
-every ``/dev/shm`` segment is gone afterwards.
+Every process of the clusters and the engines listens on 127.0.0.1 only (crippled: a head
+started without Ray's local switch listens on the host's address too). One child process
+(``_feature_run.py``) runs each engine in turn; every Ray process and every ``/dev/shm``
+segment is gone afterwards.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def _ray_processes() -> list[str]:
     for proc in psutil.process_iter(["name", "cmdline"]):
         words = " ".join(proc.info["cmdline"] or [])
         if proc.info["name"] in ("raylet", "gcs_server") or "ray start" in words \
-                or "ray::" in (proc.info["name"] or ""):
+                or "ftkit.vllm.ray_node" in words or "ray::" in (proc.info["name"] or ""):
             names.append(f"{proc.pid} {proc.info['name']}")
     return names
 
@@ -76,6 +78,7 @@ def results(tiny_model: str, tmp_path_factory) -> dict:
     segments = _segments()
     with RayCluster(nodes=1, ranks_per_node=2) as joined:
         out = _run(tiny_model, tmp_path_factory, joined.address)
+        out["joined_listening"] = joined.listening()
     out["left"] = {"ray": _ray_processes(), "segments": sorted(_segments() - segments)}
     return out
 
@@ -87,7 +90,8 @@ def _run(tiny_model: str, tmp_path_factory, address: str) -> dict:
         "runs": [
             {"name": "plain", "recovery": False, "workload": TP2},
             {"name": "two_nodes", "recovery": True, "faults": TWO_NODE_FAULTS,
-             "max_restarts": 2, "transports": True, "workload": {**RAY, "nodes": 2}},
+             "max_restarts": 2, "transports": True, "listening": True,
+             "workload": {**RAY, "nodes": 2}},
             {"name": "one_node", "recovery": True, "faults": ONE_NODE_FAULTS,
              "max_restarts": 1, "transports": True,
              "workload": {**RAY, "ray_address": address}},
@@ -132,5 +136,28 @@ def test_without_the_lost_node_started_again_the_engine_cannot_be_replaced(resul
     assert len(tokens) < MAX_TOKENS
 
 
+def test_every_process_of_the_clusters_and_engines_listens_on_127_0_0_1_only(results):
+    # The two-node run, after its second replacement (the whole cluster started again): its
+    # nodes' processes, the engine core (Ray's driver) and the ranks (Ray actors).
+    listening = results["two_nodes"]["listening"]
+    names = {name for _, _, name in listening}
+    assert {"gcs_server", "raylet"} <= names and any("ray::" in n for n in names), listening
+    assert [entry for entry in listening if entry[0] != "127.0.0.1"] == []
+    joined = results["joined_listening"]
+    assert joined and [entry for entry in joined if entry[0] != "127.0.0.1"] == []
+
+
 def test_nothing_of_the_clusters_is_left(results):
     assert results["left"] == {"ray": [], "segments": []}
+
+
+def test_without_rays_local_switch_the_head_listens_beyond_127_0_0_1(monkeypatch):
+    """Crippled: the head started without ``LOCAL_ONLY_ENV`` (as ``ray start`` does by
+    default) listens on the host's address too, which the test above would catch."""
+    from ftkit.vllm import ray_cluster
+
+    monkeypatch.setattr(ray_cluster, "LOCAL_ONLY_ENV", {})
+    with RayCluster(nodes=1, ranks_per_node=1) as head:
+        listening = head.listening()
+    assert not _ray_processes()
+    assert [entry for entry in listening if entry[0] != "127.0.0.1"], listening

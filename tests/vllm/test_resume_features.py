@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import feature_run
+from ftkit.contracts.job import SamplingSpec
+
+from conftest import FEATURE_PROMPTS, PLAIN_RUNS, feature_run
+from conftest import RESUME_PROMPTS as PROMPTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-PROMPTS = ["A small boat crossed the quiet lake at night.",
-           "Write a short story about a river and a mountain."]
 #: The engine core is killed in the step of request 1's token ``KILL_AT``.
 KILL_AT = 14
 
@@ -28,18 +29,18 @@ def _child(config: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
+def runs(tiny_model, baseline, tmp_path_factory):
     base = {"model": tiny_model, "multiprocess": True, "prompts": PROMPTS,
             "event_log_dir": str(tmp_path_factory.mktemp("events"))}
     # A stop string around the end of the text of request 1's first KILL_AT tokens: it is
-    # completed by a token the resumed request produces.
+    # completed by a token the resumed request produces. (The plain run: the session's
+    # baseline engine, conftest.PLAIN_RUNS.)
     from transformers import AutoTokenizer
 
-    plain = _child({**base, "sampling": {"max_tokens": 30},
-                    "runs": [{"name": "plain", "recovery": False}]})["plain"]
-    text = plain["outputs"][1]["text"]
-    cut = len(AutoTokenizer.from_pretrained(tiny_model).decode(
-        plain["outputs"][1]["tokens"][:KILL_AT]))
+    assert PLAIN_RUNS["resume_stop"][1].max_tokens == 30
+    plain = baseline.plain_runs["resume_stop"]
+    text = plain[1]["text"]
+    cut = len(AutoTokenizer.from_pretrained(tiny_model).decode(plain[1]["tokens"][:KILL_AT]))
     stop = text[cut - 2:cut + 2]
     assert len(stop) == 4 and text.find(stop) == cut - 2, (text, cut)
     kill = {"kind": "process_kill", "rank": 0, "at": {"request": 1, "token": KILL_AT},
@@ -78,9 +79,6 @@ def test_without_the_original_detokenizer_the_stop_is_missed_and_the_text_is_wro
 
 # --- the features whose state is the tokens so far: penalties, bad words, n > 1 ------------
 
-FEATURE_PROMPTS = ["A small boat crossed the quiet lake at night.",
-                   "Write a short story about a river and a mountain.",
-                   "The old clock in the hall struck twelve."]
 FEATURE_TOKENS = 28
 #: Request 1: greedy, with penalties counted over output tokens only.
 PENALTIES = {"frequency_penalty": 0.8, "presence_penalty": 0.8}
@@ -104,17 +102,19 @@ def _bad_word_at_the_kill(tokenizer, tokens: list[int]) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def feature_runs(tiny_model, tmp_path_factory):
+def feature_runs(tiny_model, baseline, tmp_path_factory):
     from transformers import AutoTokenizer
 
     base = {"model": tiny_model, "multiprocess": True, "prompts": FEATURE_PROMPTS,
             "event_log_dir": str(tmp_path_factory.mktemp("events"))}
     requests = [{}, dict(PENALTIES), dict(SAMPLES)]
     sampling = {"max_tokens": FEATURE_TOKENS, "requests": requests}
-    plain = _child({**base, "sampling": sampling,
-                    "runs": [{"name": "plain", "recovery": False}]})["plain"]
+    # The plain run of this workload (the session's baseline engine, conftest.PLAIN_RUNS).
+    assert PLAIN_RUNS["resume_features"][1].to_mapping() == \
+        SamplingSpec.from_mapping(sampling).to_mapping()
+    plain = baseline.plain_runs["resume_features"]
     kill_at, word = _bad_word_at_the_kill(AutoTokenizer.from_pretrained(tiny_model),
-                                          plain["outputs"][0]["tokens"])
+                                          plain[0]["tokens"])
     requests[0] = {"bad_words": [word]}
     kill = {"kind": "process_kill", "rank": 0, "at": {"request": 0, "token": kill_at},
             "phase": "forward", "params": {"target": "engine"}}
@@ -142,8 +142,7 @@ def test_penalties_bad_words_and_samples_continue_exactly_after_the_kill(feature
     baseline, resumed = result["baseline"], result["resumed"]
     assert resumed["error"] is None and resumed["restarts"] == 1
     # The bad word acts at the kill: the fault-free run without it had its last token there.
-    assert _first_difference(baseline["outputs"][0]["tokens"],
-                             plain["outputs"][0]["tokens"]) == kill_at
+    assert _first_difference(baseline["outputs"][0]["tokens"], plain[0]["tokens"]) == kill_at
     assert sorted(_by_key(baseline)) == [(0, 0), (1, 0), (2, 0), (2, 1)]
     # Tokens, logprobs, finish and stop reasons, text: all as the plain engine's.
     assert resumed["outputs"] == baseline["outputs"]
