@@ -210,21 +210,11 @@ def legacy_note(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m benchmarks.overhead [--part PART ...] [--quick] [--out F]``: a run of some
-    parts only writes ``results/partial/overhead-<parts>.json`` unless ``--out`` says
-    otherwise, so that it never stands in for the whole suite's results."""
-    import argparse
+    """``python -m benchmarks.overhead [--part PART ...] [--quick] [--out F]``
+    (``benchmarks.suite.main_with_parts``)."""
+    from benchmarks.suite import main_with_parts
 
-    from benchmarks.common import RESULTS_DIR
-    from benchmarks.suite import main as suite_main
-
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS))
-    args, rest = ap.parse_known_args(argv)
-    parts = tuple(p for p in PARTS if p in args.part)
-    if parts != PARTS and "--out" not in rest:
-        rest += ["--out", str(RESULTS_DIR / "partial" / f"overhead-{'+'.join(parts)}.json")]
-    return suite_main("overhead", lambda quick: run(quick, parts), rest, __doc__)
+    return main_with_parts("overhead", run, PARTS, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -369,7 +369,12 @@ SERVE_INTRO = (
     "into the paused engine at once; tokens per second in the engine, from vLLM's own "
     "`/metrics` series: tokens generated per second of the requests' mean time from first "
     "scheduled to last token, the target checked on this; and as the clients read them, from "
-    "the release to the last token read; the ratio per repeat); then on a `faults` server "
+    "the release to the last token read; the ratio per repeat). The same on and off servers "
+    "again with the wide model (`ftkit.model.wide`: the layer widths of a 7B-class Llama, two "
+    "layers; TP 2): a step of the tiny model takes a few milliseconds, and its front end and "
+    "clients, sharing the two cores, take as much of them as the engine, so its ratio "
+    "measures their contention more than recovery's cost; the wide model's step is long "
+    "enough for the engine to weigh most, as in a deployment. Then on a `faults` server "
     "(`enabled`, `injection`, `max_restarts: 1`), per fault kind, one fault planned through "
     "the injection route (`POST /ftkit/inject`, what `ftkit inject` sends) for one client's "
     "`X-Request-Id` and token: the "
@@ -395,13 +400,15 @@ def _serve(result: dict[str, Any] | None) -> str:
         return (SERVE_INTRO + "\n\nNo results yet: `python -m benchmarks --only serve` "
                 "(about 15 minutes).")
     reading = []
-    t = result.get("throughput")
-    if t:
+    for key, model, *_ in serve.THROUGHPUTS:
+        t = result.get(key)
+        if not t:
+            continue
         in_engine = "engine_ratios" in t  # (results from before the engine's series were read)
         ratio = summarize(t["engine_ratios" if in_engine else "ratios"])
         reading.append(
-            f"Tokens per second{' in the engine' if in_engine else ''}, on/off >= "
-            f"{RATIO_TARGET}: {_met(ratio.median >= RATIO_TARGET)}"
+            f"Tokens per second{' in the engine' if in_engine else ''}, {model} model, on/off "
+            f">= {RATIO_TARGET}: {_met(ratio.median >= RATIO_TARGET)}"
             f" (median {ratio.median:.3f}, repeats {ratio.low:.3f}-{ratio.high:.3f}"
             + (", 1.0 inside the range" if ratio.low <= 1.0 <= ratio.high else "") + ")"
             + (f"; as the clients read them, {summarize(t['ratios']).median:.3f}"
@@ -485,7 +492,8 @@ def _serve(result: dict[str, Any] | None) -> str:
             f"{standby['cpu_percent']:.1f} % of a core; the serving engine "
             f"{serving['rss_bytes'] / 2**20:.0f} MiB ({serving['uss_bytes'] / 2**20:.0f} MiB) "
             f"and {serving['cpu_percent']:.1f} %.")
-    tables = [serve.throughput_table(result) if t else "",
+    measured = any(result.get(key) for key, *_ in serve.THROUGHPUTS)
+    tables = [serve.throughput_table(result) if measured else "",
               serve.fault_table(result) if faults else "",
               serve.kill_table(result) if result.get("kills") else "",
               serve.idle_table(result) if idle else ""]

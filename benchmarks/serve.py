@@ -17,6 +17,14 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
   clients' and the server's front end's (its on/off ratio spread 0.73-2.24 over five
   repeats of an earlier run, released unpaused). A run is 16 streams of 512 tokens: of
   128, a run was about a second in the engine, and the engine's ratio spread 0.77-1.47.
+* The same, on an ``on`` and an ``off`` server of the wide model (``ftkit.model.wide``: the
+  layer widths of a 7B-class Llama, two layers; part ``wide``): the tiny model's step takes a
+  few milliseconds, and the server's front end and the clients, on the same two cores, take
+  as much CPU as the engine, so its on/off ratio spread 0.64-1.18 over seven repeats (the
+  engine's rate moves with how the front end's work falls between the two ranks' steps),
+  far more than recovery's cost per step (about 1 % of a tiny step at TP 2: the step
+  wrapper's 12 us and ftkit's collectives). The wide model's step is long enough for the
+  engine to weigh most, as it does with a real model.
 * On a ``faults`` server ``{"enabled": true, "injection": true, "max_restarts": 1}``, per
   fault kind, one fault planned through the injection route
   (``POST /ftkit/inject`` with the secret, what ``ftkit inject`` sends) for one client's
@@ -86,8 +94,9 @@ import psutil
 from benchmarks.common import REPO, SETTLE_S, prompts, settle, tiny_model
 from benchmarks.stats import fmt_summary, markdown_table, paired_ratios, summarize
 from ftkit import (CONFIG_KEY, INJECT_SECRET_ENV, FaultFired, RequestResumed, Scenario,
-                   ScenarioServer, Stream, StreamedCompletion, inject_live_fault, load_scenario,
-                   only, read_events, server_options, stream_one)
+                   ScenarioServer, Stream, StreamedCompletion, build_wide_model,
+                   inject_live_fault, load_scenario, only, read_events, server_options,
+                   stream_one)
 
 SCENARIO = REPO / "scenarios" / "serve_link_flap.yaml"
 #: Long enough for the kill streams (prompt + tokens), small enough to start fast.
@@ -161,11 +170,18 @@ class Plan:
     kill_streams: int = 8
     kill_tokens: int = 1600
     idle_s: float = 10.0
+    #: On and off with the wide model (``WIDE``).
+    wide_repeats: int = 7
+    wide_streams: int = 16
+    wide_max_tokens: int = 64
 
 
 QUICK = Plan(repeats=3, streams=8, max_tokens=64, fault_streams=6, fault_tokens=32,
              faults=("link_flap x2", "device_reset", "uce kv"), kill_streams=6,
-             kill_tokens=1200, idle_s=4.0)
+             kill_tokens=1200, idle_s=4.0, wide_repeats=3, wide_streams=8, wide_max_tokens=16)
+#: The suite's parts: on and off with the tiny model, the same with the wide one, and the
+#: faults, kills and the standby's idle cost (tiny model).
+PARTS = ("throughput", "wide", "faults")
 
 
 # --- pure helpers (tested in tests/unit/test_bench_serve.py) ----------------------------------
@@ -610,13 +626,13 @@ def drive_paused(server: BenchServer, model: str, tag: str, texts: list[str], ma
 
 # --- 1. tokens per second, recovery on and off ------------------------------------------------
 
-def measure_throughput(servers: dict[str, tuple[BenchServer, str]], plan: Plan
-                       ) -> dict[str, Any]:
-    """Each repeat, the same streams on each server in turn, released into its paused engine
-    at once (``drive_paused``): tokens per second in the engine (``engine_tokens_per_s``,
-    from vLLM's own series: the target is checked on these) and as the clients read them
-    (from the release to the last token read)."""
-    texts = prompts(plan.streams)
+def measure_throughput(servers: dict[str, tuple[BenchServer, str]], repeats: int,
+                       streams: int, max_tokens: int) -> dict[str, Any]:
+    """Each of ``repeats``, ``streams`` streams of ``max_tokens`` tokens on each server in
+    turn, released into its paused engine at once (``drive_paused``): tokens per second in
+    the engine (``engine_tokens_per_s``, from vLLM's own series: the target is checked on
+    these) and as the clients read them (from the release to the last token read)."""
+    texts = prompts(streams)
     per_side: dict[str, list[float]] = {name: [] for name in servers}
     in_engine: dict[str, list[float]] = {name: [] for name in servers}
     failures: dict[str, int] = {name: 0 for name in servers}
@@ -624,12 +640,12 @@ def measure_throughput(servers: dict[str, tuple[BenchServer, str]], plan: Plan
     names = list(servers)
     for name, (server, model) in servers.items():  # warm each server up once
         drive(server, model, f"warm-{name}", texts[:2], 8)
-    for r in range(plan.repeats):
+    for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             server, model = servers[name]
             settle()
             before = server.engine_series()
-            run = drive_paused(server, model, f"tps-{name}-{r}", texts, plan.max_tokens)
+            run = drive_paused(server, model, f"tps-{name}-{r}", texts, max_tokens)
             after = server.engine_series_after(before, len(texts),
                                                time.monotonic() + RUN_TIMEOUT_S)
             failures[name] += len(run.errors()) + int(run.timed_out)
@@ -827,7 +843,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # the servers are closed on the way out
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     plan = QUICK if quick else Plan()
     signal.signal(signal.SIGTERM, _on_sigterm)
     scenario = _scenario()
@@ -837,37 +853,54 @@ def run(quick: bool = False) -> dict[str, Any]:
     faults = {"enabled": True, "injection": True, "max_restarts": 1}
     standby = {"enabled": True, "injection": True, "max_restarts": 1, "standby": True}
     result: dict[str, Any] = {"plan": asdict(plan), "tp": scenario.engine.tensor_parallel_size,
+                              "parts": list(parts),
                               "settings": {"off": off, "on": on, "faults": faults,
                                            "standby": standby}}
     with tempfile.TemporaryDirectory(prefix="ftkit-bench-serve-") as tmp:
         work = Path(tmp)
         starts: dict[str, float | None] = {}
         engines: dict[str, list[float]] = {}
-        with serving(work, "on", on, scenario, model_dir) as on_server, \
-                serving(work, "off", off, scenario, model_dir) as off_server:
-            starts["on"], starts["off"] = on_server.start_s, off_server.start_s
-            result["throughput"] = measure_throughput(
-                {"on": (on_server, on_server.model()),
-                 "off": (off_server, off_server.model())}, plan)
-        with serving(work, "faults", faults, scenario, model_dir) as f_server:
-            starts["faults"] = f_server.start_s
-            engines["faults"] = f_server.engine_starts()[:1]
-            model = f_server.model()
-            result["faults"] = measure_faults(f_server, model, plan)
-            settle()
-            result["kills"] = [measure_kill(f_server, model, plan, standby=False)]
-        with serving(work, "standby", standby, scenario, model_dir) as sb_server:
-            starts["standby"] = sb_server.start_s
-            sb_server.wait_for(STANDBY_READY_LOG, time.monotonic() + START_TIMEOUT_S)
-            # The serving engine's start, then the standby's (begun once the first was up).
-            engines["standby"] = sb_server.engine_starts()[:2]
-            result["idle"] = measure_idle(sb_server, plan.idle_s)
-            result["kills"].append(measure_kill(sb_server, sb_server.model(), plan,
-                                                standby=True))
+        if "throughput" in parts:
+            result["throughput"] = on_and_off(work, "", scenario, model_dir, starts, plan.repeats,
+                                              plan.streams, plan.max_tokens)
+        if "wide" in parts:
+            result["wide_throughput"] = on_and_off(
+                work, "wide-", scenario, str(build_wide_model()), starts, plan.wide_repeats,
+                plan.wide_streams, plan.wide_max_tokens)
+        if "faults" in parts:
+            with serving(work, "faults", faults, scenario, model_dir) as f_server:
+                starts["faults"] = f_server.start_s
+                engines["faults"] = f_server.engine_starts()[:1]
+                model = f_server.model()
+                result["faults"] = measure_faults(f_server, model, plan)
+                settle()
+                result["kills"] = [measure_kill(f_server, model, plan, standby=False)]
+            with serving(work, "standby", standby, scenario, model_dir) as sb_server:
+                starts["standby"] = sb_server.start_s
+                sb_server.wait_for(STANDBY_READY_LOG, time.monotonic() + START_TIMEOUT_S)
+                # The serving engine's start, then the standby's (begun once the first was up).
+                engines["standby"] = sb_server.engine_starts()[:2]
+                result["idle"] = measure_idle(sb_server, plan.idle_s)
+                result["kills"].append(measure_kill(sb_server, sb_server.model(), plan,
+                                                    standby=True))
         result["server_start_s"] = starts
         result["engine_starts_s"] = engines
     result["engine_start_s"] = engine_start_s(engines)
     return result
+
+
+def on_and_off(work: Path, prefix: str, scenario: Scenario, model_dir: str,
+               starts: dict[str, float | None], repeats: int, streams: int, max_tokens: int
+               ) -> dict[str, Any]:
+    """An ``on`` and an ``off`` server of ``model_dir``, both up at once, and
+    ``measure_throughput`` on them; their start times go into ``starts`` (``prefix`` before
+    each name)."""
+    with serving(work, f"{prefix}on", {"enabled": True}, scenario, model_dir) as on_server, \
+            serving(work, f"{prefix}off", {"enabled": False}, scenario, model_dir) as off_server:
+        starts[f"{prefix}on"], starts[f"{prefix}off"] = on_server.start_s, off_server.start_s
+        return measure_throughput({"on": (on_server, on_server.model()),
+                                   "off": (off_server, off_server.model())},
+                                  repeats, streams, max_tokens)
 
 
 def engine_start_s(engines: dict[str, list[float]]) -> float | None:
@@ -879,20 +912,28 @@ def engine_start_s(engines: dict[str, list[float]]) -> float | None:
 
 # --- the tables -------------------------------------------------------------------------------
 
+#: Each on/off measurement of a result: its key, the model, and the plan's fields of it.
+THROUGHPUTS = (("throughput", "tiny", "streams", "max_tokens", "repeats"),
+               ("wide_throughput", "wide", "wide_streams", "wide_max_tokens", "wide_repeats"))
+
+
 def throughput_table(result: dict[str, Any]) -> str:
-    t = result["throughput"]
     plan = result["plan"]
     rows = []
-    for where, rates, ratios in (("engine", "engine_tokens_per_s", "engine_ratios"),
-                                 ("clients", "tokens_per_s", "ratios")):
-        if rates not in t:  # (results from before the engine's series were read)
+    for key, model, streams, tokens, repeats in THROUGHPUTS:
+        t = result.get(key)
+        if not t:
             continue
-        rows.append([where, f"{plan['streams']} x {plan['max_tokens']}", plan["repeats"],
-                     fmt_summary(summarize(t[rates]["off"])),
-                     fmt_summary(summarize(t[rates]["on"])),
-                     fmt_summary(summarize(t[ratios]), 3),
-                     f"{t['failed_streams']['off']}/{t['failed_streams']['on']}"])
-    return markdown_table(["tokens/s measured in", "streams x tokens", "repeats",
+        for where, rates, ratios in (("engine", "engine_tokens_per_s", "engine_ratios"),
+                                     ("clients", "tokens_per_s", "ratios")):
+            if rates not in t:  # (results from before the engine's series were read)
+                continue
+            rows.append([model, where, f"{plan[streams]} x {plan[tokens]}", plan[repeats],
+                         fmt_summary(summarize(t[rates]["off"])),
+                         fmt_summary(summarize(t[rates]["on"])),
+                         fmt_summary(summarize(t[ratios]), 3),
+                         f"{t['failed_streams']['off']}/{t['failed_streams']['on']}"])
+    return markdown_table(["model", "tokens/s measured in", "streams x tokens", "repeats",
                            "off tokens/s", "on tokens/s", "on/off",
                            "failed streams (off/on)"], rows)
 
@@ -970,7 +1011,13 @@ def _ratio(value: float | None, base: float | None) -> str:
     return "-" if value is None or not base else f"{value / base:.1f}"
 
 
-if __name__ == "__main__":
-    from benchmarks.suite import main
+def main(argv: list[str]) -> int:
+    """``python -m benchmarks.serve [--part PART ...] [--quick] [--out F]``
+    (``benchmarks.suite.main_with_parts``)."""
+    from benchmarks.suite import main_with_parts
 
-    sys.exit(main("serve", run, sys.argv[1:], __doc__))
+    return main_with_parts("serve", run, PARTS, argv, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

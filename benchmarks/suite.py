@@ -38,3 +38,18 @@ def main(name: str, run: Callable[[bool], dict[str, Any]], argv: list[str] | Non
     tmp.replace(args.out)
     print(f"{name}: {record['wall_s']:.0f} s, written to {args.out}")
     return 0
+
+
+def main_with_parts(name: str, run: Callable[[bool, tuple[str, ...]], dict[str, Any]],
+                    parts: tuple[str, ...], argv: list[str] | None, doc: str | None = None
+                    ) -> int:
+    """``main`` for a suite of ``parts``, with ``--part PART ...`` to run some of them (in
+    ``parts``' order): such a run writes ``results/partial/<name>-<parts>.json`` unless
+    ``--out`` says otherwise, so that it never stands in for the whole suite's results."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--part", nargs="+", choices=parts, default=list(parts))
+    args, rest = ap.parse_known_args(argv)
+    chosen = tuple(p for p in parts if p in args.part)
+    if chosen != parts and "--out" not in rest:
+        rest += ["--out", str(RESULTS_DIR / "partial" / f"{name}-{'+'.join(chosen)}.json")]
+    return main(name, lambda quick: run(quick, chosen), rest, doc)

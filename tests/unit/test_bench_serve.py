@@ -180,7 +180,8 @@ def _result(cold: float | None, standby: float | None, failed: int = 0,
         "machine": {"cpus": 2, "vllm": "x", "torch": "y", "commit": "c", "when": "now",
                     "load_avg_1m": 1.0},
         "plan": {"repeats": 2, "streams": 8, "max_tokens": 48, "fault_streams": 4,
-                 "fault_tokens": 32, "kill_streams": 4, "kill_tokens": 100, "idle_s": 4.0},
+                 "fault_tokens": 32, "kill_streams": 4, "kill_tokens": 100, "idle_s": 4.0,
+                 "wide_repeats": 3, "wide_streams": 4, "wide_max_tokens": 16},
         "tp": 2,
         "throughput": {"engine_tokens_per_s": {"on": [990.0, 1010.0],
                                                "off": [1000.0, 1000.0]},
@@ -188,6 +189,13 @@ def _result(cold: float | None, standby: float | None, failed: int = 0,
                        "tokens_per_s": {"on": [99.0, 101.0], "off": [100.0, 100.0]},
                        "ratios": [0.5, 0.6], "failed_streams": {"on": 0, "off": 0},
                        "ratio_spread": 0.02},
+        "wide_throughput": {"engine_tokens_per_s": {"on": [40.0, 41.0, 39.0],
+                                                    "off": [40.0, 40.0, 40.0]},
+                            "engine_ratios": [1.0, 1.025, 0.975], "engine_ratio_spread": 0.05,
+                            "tokens_per_s": {"on": [30.0, 30.0, 30.0],
+                                             "off": [30.0, 30.0, 30.0]},
+                            "ratios": [1.0, 1.0, 1.0], "failed_streams": {"on": 0, "off": 1},
+                            "ratio_spread": 0.0},
         "faults": {"streams": 4, "max_tokens": 32, "token": 8, "request": 1,
                    "reference_gap_s": 0.05, "reference_errors": 0,
                    "reference_repeat_mismatched": [],
@@ -209,12 +217,23 @@ def _result(cold: float | None, standby: float | None, failed: int = 0,
 def test_the_serve_section_checks_its_targets():
     text = report.render({"serve": _result(cold=25.5, standby=0.4)})
     assert "### Serving" in text
-    assert ("Tokens per second in the engine, on/off >= 0.99: met (median 1.000, repeats "
-            "0.990-1.010, 1.0 inside the range); as the clients read them, 0.550") in text
-    assert "| engine | 8 x 48 | 2 | 1000 " in text and "| clients | 8 x 48 | 2 | 100 " in text
+    assert ("Tokens per second in the engine, tiny model, on/off >= 0.99: met (median 1.000, "
+            "repeats 0.990-1.010, 1.0 inside the range); as the clients read them, 0.550") in text
+    assert "| tiny | engine | 8 x 48 | 2 | 1000 " in text
+    assert "| tiny | clients | 8 x 48 | 2 | 100 " in text
+    # The wide model's on and off, with its own plan.
+    assert ("Tokens per second in the engine, wide model, on/off >= 0.99: met (median 1.000, "
+            "repeats 0.975-1.025, 1.0 inside the range); as the clients read them, 1.000") in text
+    assert "| wide | engine | 4 x 16 | 3 | 40 (40-40) | 40 (39-41) | 1.000 " in text
+    assert "| wide | clients | 4 x 16 | 3 | 30 " in text and "| 1/0 |" in text
     slower = report.render({"serve": _result(cold=25.5, standby=0.4,
                                              engine_ratios=(0.95, 0.97))})
-    assert "in the engine, on/off >= 0.99: not met (median 0.960" in slower
+    assert "in the engine, tiny model, on/off >= 0.99: not met (median 0.960" in slower
+    # A run of some parts: only what it measured.
+    result = _result(cold=25.5, standby=0.4)
+    del result["throughput"]
+    wide_only = report.render({"serve": result})
+    assert "wide model, on/off" in wide_only and "tiny model, on/off" not in wide_only
     assert "cold replacement: every resumed stream's next token 25.50 s after the kill" in text
     assert "standby" in text and "not met" not in text
     missed = report.render({"serve": _result(cold=40.0, standby=2.0, failed=1)})
