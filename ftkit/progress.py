@@ -13,8 +13,8 @@ class ProgressEvent:
     ``stage`` is one of: ``baseline`` (fault-free reference run starts or is taken from
     the cache), ``engine_start``, ``engine_ready``, ``tokens`` (generation progressed),
     ``fault`` (an injected fault fired), ``recovery`` (a recovery round ended with its
-    decision), ``recovered`` (a failed step ran again and succeeded), ``done`` (the scenario
-    has a verdict).
+    decision), ``recovered`` (a failed step ran again and succeeded, or a dead engine was
+    replaced and its requests resumed), ``done`` (the scenario has a verdict).
     """
 
     scenario: str

@@ -122,6 +122,11 @@ class EngineRestart:
     resumed_at_s: float
     resumed_requests: tuple[int, ...] = ()
 
+    def describe(self) -> str:
+        """One line for a progress display."""
+        return (f"engine replaced {self.restart_s:.1f} s after it died; "
+                f"{len(self.resumed_requests)} request(s) resumed")
+
 
 @dataclass(frozen=True)
 class JobResult:
@@ -181,6 +186,8 @@ class Stage(str, enum.Enum):
     ENGINE_START = "engine_start"
     ENGINE_READY = "engine_ready"
     TOKENS = "tokens"
+    #: A dead engine was replaced and the unfinished requests resumed (``EngineRestart``).
+    RECOVERED = "recovered"
     #: The job's result is written.
     JOB_DONE = "job_done"
     CLOSING = "closing"
@@ -188,7 +195,8 @@ class Stage(str, enum.Enum):
 
 
 #: The stages a front end shows (as ``ftkit.progress.ProgressEvent`` stages of the same name).
-SHOWN_STAGES = frozenset({Stage.ENGINE_START, Stage.ENGINE_READY, Stage.TOKENS})
+SHOWN_STAGES = frozenset({Stage.ENGINE_START, Stage.ENGINE_READY, Stage.TOKENS,
+                          Stage.RECOVERED})
 
 
 @dataclass(frozen=True)

@@ -289,7 +289,9 @@ class EngineSession:
                  deadline: float | None = None,
                  on_tokens: Callable[[int, int], None] | None = None,
                  submit_after_steps: list[int] | None = None,
-                 max_restarts: int = 0) -> GenerateResult:
+                 max_restarts: int = 0,
+                 on_restart: Callable[[EngineRestart], None] | None = None
+                 ) -> GenerateResult:
         """Run the prompts to completion; never raises for an engine error (it is returned).
 
         ``deadline`` (``time.monotonic()``) is checked between engine steps; ``RunTimeout`` is
@@ -300,7 +302,8 @@ class EngineSession:
         ``max_restarts``: when the engine dies (a process was killed), start a new one and
         resume every unfinished request from the tokens it had produced, up to this many
         times (``ftkit.vllm.resume``); the fault plan of ``run_id`` is planned again with the
-        attempts that already fired. Each restart is in ``GenerateResult.restarts``.
+        attempts that already fired. Each restart is in ``GenerateResult.restarts``, and
+        handed to ``on_restart`` as the requests are resumed.
         """
         if self.dead is not None:
             return GenerateResult([RequestOutput(i, []) for i in range(len(prompts))],
@@ -324,6 +327,8 @@ class EngineSession:
                     break
                 try:
                     restarts.append(self._restart(work, error, started))
+                    if on_restart is not None:
+                        on_restart(restarts[-1])
                 except EngineError as exc:  # the replacement did not start: the run ends
                     error = self.dead = f"{error}; no engine could replace it: {exc}"
                     break

@@ -88,8 +88,10 @@ class Host:
                     last[0] = now
                     _say(HostMessage(Stage.TOKENS, tokens_done=done, tokens_total=total))
 
-            out = session.generate(list(job.prompts), job.sampling, run_id=run_id,
-                                   on_tokens=on_tokens, max_restarts=job.max_restarts)
+            out = session.generate(
+                list(job.prompts), job.sampling, run_id=run_id, on_tokens=on_tokens,
+                max_restarts=job.max_restarts,
+                on_restart=lambda r: _say(HostMessage(Stage.RECOVERED, r.describe())))
             result = result.replace(error=out.error, generate_s=out.generate_s,
                                     started_at=out.started_at, restarts=tuple(out.restarts),
                                     requests=tuple(out.requests))

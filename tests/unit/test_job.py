@@ -18,6 +18,7 @@ from ftkit.contracts.job import (
     HostMessage,
     HostRequest,
     JobResult,
+    SHOWN_STAGES,
     SamplingSpec,
     Stage,
 )
@@ -124,3 +125,34 @@ def test_the_host_answers_a_job_with_its_result_then_exits(tmp_path: Path, monke
     stages = [HostMessage.from_json(line).stage
               for line in capsys.readouterr().out.splitlines()]
     assert stages == [Stage.JOB_DONE, Stage.EXIT]
+
+
+def test_a_replaced_engine_is_shown_as_the_host_resumes_its_requests(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from ftkit.vllm import host
+
+    restart = EngineRestart(error="dead", died_at_s=1.0, restart_s=17.25, resumed_at_s=18.5,
+                            resumed_requests=(0, 2))
+
+    class Session:
+        start_s = 1.0
+
+        def new_run_id(self) -> str:
+            return "r1.1"
+
+        def set_fault_plan(self, plan) -> None:
+            pass
+
+        def generate(self, prompts, sampling, **kw):
+            kw["on_restart"](restart)
+            return SimpleNamespace(error=None, generate_s=2.0, started_at=0.0,
+                                   restarts=[restart], requests=[])
+
+    monkeypatch.setattr(host.Host, "_engine_for", lambda self, j: (Session(), False))
+    result = host.Host().run_job(job(max_restarts=1))
+    assert result.error is None and result.restarts == (restart,)
+    said = [HostMessage.from_json(line) for line in capsys.readouterr().out.splitlines()]
+    assert said[-1] == HostMessage(Stage.RECOVERED, "engine replaced 17.2 s after it died; "
+                                                    "2 request(s) resumed")
+    assert Stage.RECOVERED in SHOWN_STAGES
