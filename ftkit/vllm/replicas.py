@@ -92,6 +92,8 @@ class ReplicatedEngine:
         #: engine index), ``None`` with statistics off.
         self.statistics = statistics
         self._in_flight = [0] * len(replicas)
+        #: Where the turn for a tie starts: after the replica chosen last.
+        self._turn = 0
         #: Which replica serves each request in flight, by the client's request id.
         self._serving: dict[str, int] = {}
         #: Awaited with each new engine of any replica (``RestartingEngine.on_replaced``).
@@ -191,14 +193,18 @@ class ReplicatedEngine:
     # --- requests -----------------------------------------------------------------------------
 
     def _least_busy(self) -> int:
-        """The replica with the fewest requests in flight, lowest index first, of those that
-        serve now: not being replaced (a request sent there waits for the new engine) and
-        not dead for good. When none serves, one being replaced; when all are dead for good,
-        any (the request then fails as vLLM's would)."""
+        """The replica with the fewest requests in flight, of those that serve now: not
+        being replaced (a request sent there waits for the new engine) and not dead for
+        good; ties taken in turn, so that requests that come one at a time (each done before
+        the next) alternate. When none serves, one being replaced; when all are dead for
+        good, any (the request then fails as vLLM's would)."""
         serving = [i for i, r in enumerate(self.replicas) if not r.errored and not r.restarting]
         replacing = [i for i, r in enumerate(self.replicas) if r.restarting]
         choice = serving or replacing or range(len(self.replicas))
-        return min(choice, key=lambda i: (self._in_flight[i], i))
+        count = len(self.replicas)
+        index = min(choice, key=lambda i: (self._in_flight[i], (i - self._turn) % count))
+        self._turn = (index + 1) % count
+        return index
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
                        **kwargs: Any) -> AsyncIterator[Any]:

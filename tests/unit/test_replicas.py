@@ -118,6 +118,20 @@ def test_requests_go_to_the_least_busy_replica_and_abort_goes_where_they_are():
     run(scenario())
 
 
+def test_requests_that_come_one_at_a_time_alternate_between_the_replicas():
+    async def scenario():
+        replicas = [Replica(0), Replica(1)]
+        for r in replicas:
+            r.release.set()  # each request ends at once
+        engine = ReplicatedEngine(replicas, SimpleNamespace())
+        served = []
+        for i in range(4):
+            outputs = [out async for out in engine.generate("p", None, f"r{i}")]
+            served.append(outputs[0][0])
+        assert served == [0, 1, 0, 1]
+    run(scenario())
+
+
 def test_calls_on_every_replica_and_answers_in_rank_order():
     async def scenario():
         replicas = [Replica(0), Replica(1)]
