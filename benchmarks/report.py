@@ -403,6 +403,8 @@ def _serve(result: dict[str, Any] | None) -> str:
     for key, model, *_ in serve.THROUGHPUTS:
         t = result.get(key)
         if not t:
+            reading.append(f"Tokens per second, {model} model: not in these results (`python "
+                           f"-m benchmarks --only serve` measures it).")
             continue
         in_engine = "engine_ratios" in t  # (results from before the engine's series were read)
         ratio = summarize(t["engine_ratios" if in_engine else "ratios"])

@@ -234,6 +234,7 @@ def test_the_serve_section_checks_its_targets():
     del result["throughput"]
     wide_only = report.render({"serve": result})
     assert "wide model, on/off" in wide_only and "tiny model, on/off" not in wide_only
+    assert "Tokens per second, tiny model: not in these results" in wide_only
     assert "cold replacement: every resumed stream's next token 25.50 s after the kill" in text
     assert "standby" in text and "not met" not in text
     missed = report.render({"serve": _result(cold=40.0, standby=2.0, failed=1)})
