@@ -213,9 +213,10 @@ def test_bundled_scenario_library_passes(cache_dir, tmp_path):
     assert flap["faults"][0]["kind"] == "link_flap" and flap["faults"][0]["attempts"] == 3
     assert flap["reinferences"] == 3
     assert sum(len(r["actual"]) for r in flap["requests"]) == flap["tokens_compared"] >= 256
-    # The log says when a killed engine was replaced and its requests resumed.
+    # The progress log (stderr) says when a killed engine was replaced and its requests
+    # resumed.
     assert re.search(r"process_kill: recovered: engine replaced [0-9.]+ s after it died; "
-                     r"[1-9][0-9]* request\(s\) resumed", proc.stdout), proc.stdout[-3000:]
+                     r"[1-9][0-9]* request\(s\) resumed", proc.stderr), proc.stderr[-3000:]
     exhausted = scenarios["link_flap_exhausted"]
     assert "max_reinference is 3" in exhausted["error"]
     assert exhausted["faults"][0]["attempts"] == 4
