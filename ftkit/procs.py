@@ -151,6 +151,18 @@ def unmapped(host: str) -> str:
     return str(mapped) if mapped is not None else host
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, bracketed IPv6 too, or ``localhost``) is this host's
+    loopback, an IPv4 loopback mapped into IPv6 included."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(unmapped(host)).is_loopback
+    except ValueError:
+        return False
+
+
 def remove_files(paths: Iterable[str]) -> list[str]:
     """Remove the files and folders ``paths`` that still exist (segments or temporary folders
     of processes that are reaped); returns those removed. Call it only once the processes that

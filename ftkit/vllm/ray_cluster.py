@@ -25,7 +25,6 @@ process of every node, found by pid and start time, and the cluster's temporary 
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -237,19 +236,9 @@ def joining_environment(address: str) -> dict[str, str]:
     env = {RAY_ADDRESS_ENV: address,
            RAY_PLACEMENT_TIMEOUT_ENV: os.environ.get(RAY_PLACEMENT_TIMEOUT_ENV,
                                                      f"{RAY_PLACEMENT_TIMEOUT_S:g}")}
-    if _is_loopback(address.rpartition(":")[0]):
+    if procs.is_loopback(address.rpartition(":")[0]):
         env.update(LOCAL_ONLY_ENV)
     return env
-
-
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(procs.unmapped(host)).is_loopback
-    except ValueError:
-        return False
 
 
 def _ray_command() -> str:

@@ -24,10 +24,11 @@ own Ray support is used unchanged. Remove it once vLLM-CPU supports Ray.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 from typing import Any
+
+from ftkit import procs
 
 log = logging.getLogger("ftkit")
 
@@ -93,7 +94,7 @@ def _dist_init_method(self: Any) -> str:
     import ray
 
     host = ray.util.get_node_ip_address()
-    if not ipaddress.ip_address(host).is_loopback:
+    if not procs.is_loopback(host):
         return super(_worker_class(), self).create_dist_init_method()
     from torch.distributed import TCPStore
     from vllm.utils.network_utils import get_distributed_init_method

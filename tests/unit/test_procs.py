@@ -238,3 +238,10 @@ def test_listening_names_each_listening_socket_with_its_address_as_ipv4():
     assert client_port not in ports
     assert {name for _, _, name in found} == {me.name()}
     assert procs.unmapped("::1") == "::1" and procs.unmapped("not an address") == "not an address"
+
+
+def test_loopback_hosts_are_told_from_others():
+    for host in ("127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]", "::ffff:127.0.0.1"):
+        assert procs.is_loopback(host), host
+    for host in ("10.0.0.5", "192.0.2.2", "example.org", "::ffff:10.0.0.5", ""):
+        assert not procs.is_loopback(host), host
