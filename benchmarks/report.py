@@ -365,7 +365,11 @@ SERVE_INTRO = (
     "starts it: the tiny model, TP 2, eager), driven by concurrent streaming `openai` clients, "
     "each on a connection of its own (greedy, `ignore_eos`). Servers differ only in their "
     "`fault_tolerance` settings: `off` (`enabled: false`) and `on` (`enabled: true`), both "
-    "up at once and driven in turn (alternating which goes first; every stream released "
+    "up at once and driven in turn (alternating which goes first; the one not measured "
+    "stopped with `SIGSTOP` meanwhile, as idle it took 2-3 % of a core; for the second half "
+    "of the repeats both started anew, in the other order, as the server started second ran "
+    "faster, and the target is checked on the geometric mean of the halves' medians, where "
+    "that cancels; every stream released "
     "into the paused engine at once; tokens per second in the engine, from vLLM's own "
     "`/metrics` series: tokens generated per second of the requests' mean time from first "
     "scheduled to last token, the target checked on this; and as the clients read them, from "
@@ -408,10 +412,18 @@ def _serve(result: dict[str, Any] | None) -> str:
             continue
         in_engine = "engine_ratios" in t  # (results from before the engine's series were read)
         ratio = summarize(t["engine_ratios" if in_engine else "ratios"])
+        halves = t.get("halves", [])
+        balanced = serve.order_balanced(halves)
+        checked = ratio.median if balanced is None else balanced
+        how = (f"median {ratio.median:.3f}" if balanced is None else
+               f"{balanced:.3f}, the geometric mean of the two halves' medians, "
+               + " and ".join(f"{summarize(h['engine_ratios']).median:.3f} with "
+                              f"{h['started'][0]} started first" for h in halves)
+               + f"; median of all {ratio.median:.3f}")
         reading.append(
             f"Tokens per second{' in the engine' if in_engine else ''}, {model} model, on/off "
-            f">= {RATIO_TARGET}: {_met(ratio.median >= RATIO_TARGET)}"
-            f" (median {ratio.median:.3f}, repeats {ratio.low:.3f}-{ratio.high:.3f}"
+            f">= {RATIO_TARGET}: {_met(checked >= RATIO_TARGET)}"
+            f" ({how}, repeats {ratio.low:.3f}-{ratio.high:.3f}"
             + (", 1.0 inside the range" if ratio.low <= 1.0 <= ratio.high else "") + ")"
             + (f"; as the clients read them, {summarize(t['ratios']).median:.3f}"
                if in_engine else "") + ".")

@@ -6,10 +6,14 @@ serve`` starts them (``ftkit.runner.serve.ScenarioServer`` with the engine setti
 ``scenarios/serve_link_flap.yaml``), differing only in their ``fault_tolerance`` settings:
 
 * ``off`` ``{"enabled": false}`` and ``on`` ``{"enabled": true}``, both up at once: the
-  same workload on each in turn, ``repeats`` times (alternating which goes first), every
+  same workload on each in turn, ``repeats`` times (alternating which goes first; the
+  server not measured stopped with ``SIGSTOP`` meanwhile, ``BenchServer.frozen``: idle, it
+  took 2-3 % of a core; for the second half of the repeats both servers are started anew,
+  in the other order, ``halves``, as the server started second ran faster), every
   stream released into the paused engine at once (``drive_paused``); tokens per second in
   the engine (vLLM's own series on ``/metrics``: tokens generated, per second of the
-  requests' mean time from first scheduled to last token; the target is checked on this) and
+  requests' mean time from first scheduled to last token; the target is checked on this,
+  on the geometric mean of the two halves' medians, ``order_balanced``) and
   at the clients (tokens read / seconds from the release to the last token read), the ratio
   on/off per repeat. The clients read slower than the engine makes tokens (the API server
   and the clients share the two cores with it: measured, 16 streams of 128 tokens, the
@@ -75,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -171,7 +176,9 @@ class Plan:
     kill_tokens: int = 1600
     idle_s: float = 10.0
     #: On and off with the wide model (``WIDE``).
-    wide_repeats: int = 7
+    #: (Measured, with the idle server stopped: per-repeat engine ratios 0.965-1.045 around a
+    #: median of 1.006 over seven repeats; more repeats narrow the median.)
+    wide_repeats: int = 9
     wide_streams: int = 16
     wide_max_tokens: int = 64
 
@@ -514,6 +521,26 @@ class BenchServer(ScenarioServer):
         cores.sort(key=lambda p: p.create_time())
         return [[core, *core.children(recursive=True)] for core in cores]
 
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The server's processes (it and everything below it) stopped (``SIGSTOP``) for the
+        block, and continued after it, however it ends: an idle server beside the one
+        measured takes no core time from it (measured, an idle engine of two ranks took 2-3 %
+        of a core, as much as the on/off difference sought)."""
+        root = psutil.Process(self.process.pid)
+        processes = [root, *root.children(recursive=True)]
+        stopped = []
+        try:
+            for proc in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.suspend()
+                    stopped.append(proc)
+            yield
+        finally:
+            for proc in stopped:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.resume()
+
     def resumed_events(self) -> list[RequestResumed]:
         return only(read_events(self.event_log_dir), RequestResumed)
 
@@ -627,11 +654,12 @@ def drive_paused(server: BenchServer, model: str, tag: str, texts: list[str], ma
 # --- 1. tokens per second, recovery on and off ------------------------------------------------
 
 def measure_throughput(servers: dict[str, tuple[BenchServer, str]], repeats: int,
-                       streams: int, max_tokens: int) -> dict[str, Any]:
+                       streams: int, max_tokens: int, first_repeat: int = 0) -> dict[str, Any]:
     """Each of ``repeats``, ``streams`` streams of ``max_tokens`` tokens on each server in
     turn, released into its paused engine at once (``drive_paused``): tokens per second in
     the engine (``engine_tokens_per_s``, from vLLM's own series: the target is checked on
-    these) and as the clients read them (from the release to the last token read)."""
+    these) and as the clients read them (from the release to the last token read).
+    ``first_repeat``: the first repeat's number (its tag, and which server goes first)."""
     texts = prompts(streams)
     per_side: dict[str, list[float]] = {name: [] for name in servers}
     in_engine: dict[str, list[float]] = {name: [] for name in servers}
@@ -640,14 +668,18 @@ def measure_throughput(servers: dict[str, tuple[BenchServer, str]], repeats: int
     names = list(servers)
     for name, (server, model) in servers.items():  # warm each server up once
         drive(server, model, f"warm-{name}", texts[:2], 8)
-    for r in range(repeats):
+    for r in range(first_repeat, first_repeat + repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             server, model = servers[name]
             settle()
-            before = server.engine_series()
-            run = drive_paused(server, model, f"tps-{name}-{r}", texts, max_tokens)
-            after = server.engine_series_after(before, len(texts),
-                                               time.monotonic() + RUN_TIMEOUT_S)
+            with contextlib.ExitStack() as others:
+                for other in names:
+                    if other != name:
+                        others.enter_context(servers[other][0].frozen())
+                before = server.engine_series()
+                run = drive_paused(server, model, f"tps-{name}-{r}", texts, max_tokens)
+                after = server.engine_series_after(before, len(texts),
+                                                   time.monotonic() + RUN_TIMEOUT_S)
             failures[name] += len(run.errors()) + int(run.timed_out)
             rate = tokens_per_s(run.times())
             engine_rate = engine_tokens_per_s(before, after)
@@ -848,8 +880,7 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     signal.signal(signal.SIGTERM, _on_sigterm)
     scenario = _scenario()
     model_dir = tiny_model()
-    off = {"enabled": False}
-    on = {"enabled": True}
+    off, on = SIDES["off"], SIDES["on"]
     faults = {"enabled": True, "injection": True, "max_restarts": 1}
     standby = {"enabled": True, "injection": True, "max_restarts": 1, "standby": True}
     result: dict[str, Any] = {"plan": asdict(plan), "tp": scenario.engine.tensor_parallel_size,
@@ -892,15 +923,79 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
 def on_and_off(work: Path, prefix: str, scenario: Scenario, model_dir: str,
                starts: dict[str, float | None], repeats: int, streams: int, max_tokens: int
                ) -> dict[str, Any]:
-    """An ``on`` and an ``off`` server of ``model_dir``, both up at once, and
-    ``measure_throughput`` on them; their start times go into ``starts`` (``prefix`` before
-    each name)."""
-    with serving(work, f"{prefix}on", {"enabled": True}, scenario, model_dir) as on_server, \
-            serving(work, f"{prefix}off", {"enabled": False}, scenario, model_dir) as off_server:
-        starts[f"{prefix}on"], starts[f"{prefix}off"] = on_server.start_s, off_server.start_s
-        return measure_throughput({"on": (on_server, on_server.model()),
-                                   "off": (off_server, off_server.model())},
-                                  repeats, streams, max_tokens)
+    """``measure_throughput`` on an ``on`` and an ``off`` server of ``model_dir``, both up at
+    once, in two halves of the repeats (``halves``): for the second half both servers are
+    started anew, in the other order, so that whatever the order of their starts does to
+    their rates falls on each side alike. Their start times go into ``starts`` (``prefix``
+    before each name, the half's number after it)."""
+    parts = []
+    done = 0
+    for number, (order, count) in enumerate(halves(repeats), 1):
+        with contextlib.ExitStack() as stack:
+            servers = {}
+            for name in order:
+                label = f"{prefix}{name}-{number}"
+                server = stack.enter_context(serving(work, label, SIDES[name], scenario,
+                                                     model_dir))
+                starts[label] = server.start_s
+                servers[name] = (server, server.model())
+            measured = measure_throughput({name: servers[name] for name in SIDES}, count,
+                                          streams, max_tokens, first_repeat=done)
+        measured["started"] = list(order)
+        parts.append(measured)
+        done += count
+    return merged_halves(parts)
+
+
+#: The two sides of an on/off measurement, by name: their ``fault_tolerance`` settings.
+SIDES: dict[str, dict[str, Any]] = {"on": {"enabled": True}, "off": {"enabled": False}}
+
+
+def halves(repeats: int) -> list[tuple[tuple[str, str], int]]:
+    """The order in which the on/off servers start, and the repeats measured on them: the
+    first half (the larger, for an odd count) with ``on`` started first, then the rest with
+    ``off`` first."""
+    first = (repeats + 1) // 2
+    planned = [(("on", "off"), first), (("off", "on"), repeats - first)]
+    return [(order, count) for order, count in planned if count]
+
+
+def order_balanced(halves_: Sequence[dict[str, Any]]) -> float | None:
+    """The on/off engine ratio with the order of the servers' starts cancelled: the geometric
+    mean of the medians of the two halves' engine ratios (one half with each server started
+    first: measured, in three runs on the wide model, the server started second ran 1.5-4 %
+    faster than the one started first, whichever it was); ``None`` without both halves."""
+    if len(halves_) != 2 or not all(h["engine_ratios"] for h in halves_):
+        return None
+    first, second = (statistics.median(h["engine_ratios"]) for h in halves_)
+    return math.sqrt(first * second)
+
+
+#: A throughput measurement's lists, one entry per repeat (the rest are recomputed).
+_PER_REPEAT = ("engine_tokens_per_s", "tokens_per_s", "clients_stalled_s")
+
+
+def merged_halves(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One throughput result of the halves' ``measure_throughput`` results, in order: their
+    repeats one after another, failures added, ratios and spreads over all; ``halves`` says
+    each half's start order and its engine ratios."""
+    merged: dict[str, Any] = {key: {"on": [], "off": []} for key in _PER_REPEAT}
+    merged["failed_streams"] = {"on": 0, "off": 0}
+    for part in parts:
+        for key in _PER_REPEAT:
+            for side in ("on", "off"):
+                merged[key][side] += part[key][side]
+        for side in ("on", "off"):
+            merged["failed_streams"][side] += part["failed_streams"][side]
+    merged["engine_ratios"] = paired_ratios(merged["engine_tokens_per_s"]["on"],
+                                            merged["engine_tokens_per_s"]["off"])
+    merged["ratios"] = paired_ratios(merged["tokens_per_s"]["on"],
+                                     merged["tokens_per_s"]["off"])
+    merged["engine_ratio_spread"] = spread(merged["engine_ratios"])
+    merged["ratio_spread"] = spread(merged["ratios"])
+    merged["halves"] = [{"started": part["started"], "engine_ratios": part["engine_ratios"]}
+                        for part in parts]
+    return merged
 
 
 def engine_start_s(engines: dict[str, list[float]]) -> float | None:

@@ -138,6 +138,61 @@ def test_cpu_percent_and_spread():
     assert serve.spread([0.9, 1.0, 1.2]) == pytest.approx(0.3)
 
 
+def test_the_on_off_servers_start_in_both_orders_over_the_repeats():
+    assert serve.halves(7) == [(("on", "off"), 4), (("off", "on"), 3)]
+    assert serve.halves(2) == [(("on", "off"), 1), (("off", "on"), 1)]
+    assert serve.halves(1) == [(("on", "off"), 1)]
+
+
+def test_the_halves_merge_into_one_result_with_ratios_over_every_repeat():
+    def half(on, off, failed, started):
+        return {"engine_tokens_per_s": {"on": on, "off": off},
+                "tokens_per_s": {"on": [r / 2 for r in on], "off": [r / 2 for r in off]},
+                "clients_stalled_s": {"on": [0.0] * len(on), "off": [0.1] * len(off)},
+                "failed_streams": {"on": failed, "off": 0},
+                "engine_ratios": [a / b for a, b in zip(on, off)], "started": started}
+
+    merged = serve.merged_halves([half([90.0, 100.0], [100.0, 100.0], 1, ["on", "off"]),
+                                  half([110.0], [100.0], 2, ["off", "on"])])
+    assert merged["engine_tokens_per_s"] == {"on": [90.0, 100.0, 110.0],
+                                             "off": [100.0, 100.0, 100.0]}
+    assert merged["engine_ratios"] == pytest.approx([0.9, 1.0, 1.1])
+    assert merged["ratios"] == pytest.approx([0.9, 1.0, 1.1])
+    assert merged["engine_ratio_spread"] == pytest.approx(0.2)
+    assert merged["clients_stalled_s"]["off"] == [0.1, 0.1, 0.1]
+    assert merged["failed_streams"] == {"on": 3, "off": 0}
+    assert [h["started"] for h in merged["halves"]] == [["on", "off"], ["off", "on"]]
+    assert merged["halves"][1]["engine_ratios"] == pytest.approx([1.1])
+
+
+def test_the_order_of_the_starts_cancels_in_the_geometric_mean_of_the_halves():
+    # The server started second ran faster, on or off: 4 % either way cancels.
+    halves = [{"started": ["on", "off"], "engine_ratios": [0.95, 0.96, 0.99]},
+              {"started": ["off", "on"], "engine_ratios": [1.04, 1.0, 1.05]}]
+    assert serve.order_balanced(halves) == pytest.approx((0.96 * 1.04) ** 0.5)
+    assert serve.order_balanced(halves[:1]) is None
+    assert serve.order_balanced([]) is None
+
+
+def test_the_reading_checks_the_throughput_target_on_the_balanced_ratio():
+    def reading(halves):
+        result = _result(cold=25.5, standby=0.4)
+        ratios = [r for h in halves for r in h["engine_ratios"]]
+        result["wide_throughput"].update(engine_ratios=ratios, halves=halves)
+        return report.render({"serve": result})
+
+    # The median of all (0.97) misses the target; with the order cancelled it is met.
+    text = reading([{"started": ["on", "off"], "engine_ratios": [0.95, 0.96, 0.97]},
+                    {"started": ["off", "on"], "engine_ratios": [1.03, 1.04]}])
+    assert ("wide model, on/off >= 0.99: met (0.997, the geometric mean of the two halves' "
+            "medians, 0.960 with on started first and 1.035 with off started first; median "
+            "of all 0.970, repeats 0.950-1.040, 1.0 inside the range)") in text
+    # Both halves low: not met.
+    text = reading([{"started": ["on", "off"], "engine_ratios": [0.95, 0.96, 0.97]},
+                    {"started": ["off", "on"], "engine_ratios": [0.97, 0.98]}])
+    assert "wide model, on/off >= 0.99: not met (0.967, the geometric mean" in text
+
+
 def test_the_fault_body_is_what_the_injection_route_takes():
     case = serve.FaultCase("uce kv", "uce", 1, params=(("region", "kv"),))
     assert case.body("f-1", 8) == {"kind": "uce", "rank": 1, "phase": "forward", "times": 1,
