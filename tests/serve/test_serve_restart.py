@@ -16,8 +16,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -115,36 +113,10 @@ def run_all(base_url: str, tag: str, requests: list[tuple[str, dict[str, Any]]] 
     return [out[i] for i in range(len(requests))], at
 
 
-#: What vLLM's engine core logs when it runs again after /resume.
-UNPAUSED = "setting pause state to UNPAUSED"
-
-
 def post(server: Any, path: str) -> None:
     request = urllib.request.Request(server.url + path, method="POST")
     with urllib.request.urlopen(request, timeout=30) as answer:
         assert answer.status == 200, path
-
-
-#: Run as a process of its own (the test's threads, busy with the streams, may hold the GIL
-#: for seconds): once the log at argv[1] says UNPAUSED more than argv[2] times, wait a second,
-#: then SIGKILL pid argv[3].
-KILLER = f"""
-import os, signal, sys, time
-log, before, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-try:  # ahead of the server's busy processes where the system lets it (as root)
-    os.setpriority(os.PRIO_PROCESS, 0, -10)
-except OSError:
-    pass
-deadline = time.monotonic() + 120
-while open(log, errors="replace").read().count({UNPAUSED!r}) <= before:
-    if time.monotonic() > deadline:
-        sys.exit("the engine did not resume")
-    time.sleep(0.05)
-seen = time.strftime("%H:%M:%S")
-time.sleep(1.0)
-os.kill(pid, signal.SIGKILL)
-print(f"killer: line seen {{seen}}, pid {{pid}} killed {{time.strftime('%H:%M:%S')}}", flush=True)
-"""
 
 
 #: Steps of the resumed batch that run before a planned kill (all streams run by then).
@@ -158,53 +130,43 @@ def kill_with_all_running(server: Any, name: str, count: int) -> Any:
     server received all ``count`` requests, the engine resumes and runs them all in one batch,
     and ``name`` is SIGKILLed while it does. Under load vLLM's API server takes requests in and
     hands tokens out seconds late: neither the clients' view, nor the arrival order, nor the
-    server's answers time the kill safely. A worker is killed on the server's own progress:
+    server's answers time the kill safely. The kill is timed on the server's own progress:
     ``process_kill`` planned through the injection route while the engine is paused, for the
-    ``KILL_AFTER_STEPS``-th step after it resumes (the worker SIGKILLs itself there). vLLM's
-    engine core has no such hook: a process of its own SIGKILLs it a second after the engine
-    core logs that it resumed (that kill was seen to come up to 17 s late on a loaded machine,
-    hence the long streams)."""
+    ``KILL_AFTER_STEPS``-th step after it resumes; there a worker SIGKILLs itself, or (the
+    engine core) rank 0's worker SIGKILLs its engine core (``params.target: engine``). A
+    process of the test's own that SIGKILLed the engine core a second after it logged that it
+    resumed was seen to kill it 10 s late on a loaded machine, after a stream had ended."""
 
     healthy(server)  # (a replacement from the test before may still be starting)
     died = server.output().count(DIED)
-    killer = None
     if name == ENGINE_CORE:
-        # Started now (interpreter start may take seconds on a loaded machine), it waits for
-        # the engine core's line.
-        killer = subprocess.Popen([sys.executable, "-I", "-S", "-c", KILLER, str(server.log),
-                                   str(server.output().count(UNPAUSED)),
-                                   str(target(server, name))])
+        fault = {"kind": "process_kill", "rank": 0, "params": {"target": "engine"}}
     else:
         assert name.startswith("Worker_TP"), name
+        fault = {"kind": "process_kill", "rank": int(name.removeprefix("Worker_TP"))}
+    victim = target(server, name)
 
     def during(tag: str) -> None:
-        try:
-            deadline = time.monotonic() + 180
-            while True:
-                received = [line for line in server.output().splitlines()
-                            if "Received request" in line and f"-{tag}-" in line]
-                if all(any(f"-{tag}-{i}" in line for line in received) for i in range(count)):
-                    break
-                assert time.monotonic() < deadline, "the server did not receive every request"
-                time.sleep(0.1)
-            time.sleep(0.5)  # (each handed to the paused engine)
-            if killer is None:
-                planned = inject_live_fault(server.url, {
-                    "kind": "process_kill", "rank": int(name.removeprefix("Worker_TP")),
-                    "phase": "forward", "after_steps": KILL_AFTER_STEPS}, SECRET)
-                assert planned["planned"]["kind"] == "process_kill", planned
-            # (the server's answer to /resume may come seconds late: not waited for)
-            threading.Thread(target=post, args=(server, "/resume"), daemon=True).start()
-            if killer is not None:
-                assert killer.wait(150) == 0, "the kill did not happen"
-            deadline = time.monotonic() + 150
-            while server.output().count(DIED) == died:
-                assert time.monotonic() < deadline, "the server did not see its engine die"
-                time.sleep(0.1)
-        finally:
-            if killer is not None and killer.poll() is None:
-                killer.kill()
-                killer.wait(10)
+        deadline = time.monotonic() + 180
+        while True:
+            received = [line for line in server.output().splitlines()
+                        if "Received request" in line and f"-{tag}-" in line]
+            if all(any(f"-{tag}-{i}" in line for line in received) for i in range(count)):
+                break
+            assert time.monotonic() < deadline, "the server did not receive every request"
+            time.sleep(0.1)
+        time.sleep(0.5)  # (each handed to the paused engine)
+        planned = inject_live_fault(server.url, {**fault, "phase": "forward",
+                                                 "after_steps": KILL_AFTER_STEPS}, SECRET)
+        assert planned["planned"]["kind"] == "process_kill", planned
+        # (the server's answer to /resume may come seconds late: not waited for)
+        threading.Thread(target=post, args=(server, "/resume"), daemon=True).start()
+        deadline = time.monotonic() + 150
+        while server.output().count(DIED) == died:
+            assert time.monotonic() < deadline, "the server did not see its engine die"
+            time.sleep(0.1)
+        assert f"ftkit: SIGKILL to pid {victim} " in server.output(), \
+            f"{name} (pid {victim}) was not the process killed"
 
     post(server, "/pause?mode=keep")
     return during
