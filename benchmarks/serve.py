@@ -689,13 +689,20 @@ def measure_throughput(servers: dict[str, tuple[BenchServer, str]], repeats: int
             print(f"serve: {name} repeat {r}: {engine_rate or 0:.0f} tokens/s in the engine, "
                   f"{rate or 0:.0f} read by the clients (their process not run for "
                   f"{stalled[name][-1]:.2f} s)", flush=True)
-    ratios = paired_ratios(per_side["on"], per_side["off"])
-    engine_ratios = paired_ratios(in_engine["on"], in_engine["off"])
-    return {"engine_tokens_per_s": in_engine, "engine_ratios": engine_ratios,
-            "engine_ratio_spread": spread(engine_ratios),
-            "tokens_per_s": per_side, "ratios": ratios, "failed_streams": failures,
-            # Per repeat, the seconds the clients' process was not run (``Stalls``).
-            "clients_stalled_s": stalled,
+    return with_ratios({"engine_tokens_per_s": in_engine, "tokens_per_s": per_side,
+                        "failed_streams": failures,
+                        # Per repeat, the seconds the clients' process was not run (``Stalls``).
+                        "clients_stalled_s": stalled})
+
+
+def with_ratios(measured: dict[str, Any]) -> dict[str, Any]:
+    """``measured`` (its per-repeat rates, in the engine and at the clients) with the on/off
+    ratio of each repeat and their spreads, in the engine and at the clients."""
+    engine_ratios = paired_ratios(measured["engine_tokens_per_s"]["on"],
+                                  measured["engine_tokens_per_s"]["off"])
+    ratios = paired_ratios(measured["tokens_per_s"]["on"], measured["tokens_per_s"]["off"])
+    return {**measured, "engine_ratios": engine_ratios,
+            "engine_ratio_spread": spread(engine_ratios), "ratios": ratios,
             "ratio_spread": spread(ratios)}
 
 
@@ -971,14 +978,14 @@ def order_balanced(halves_: Sequence[dict[str, Any]]) -> float | None:
     return math.sqrt(first * second)
 
 
-#: A throughput measurement's lists, one entry per repeat (the rest are recomputed).
+#: A throughput measurement's lists, one entry per repeat (``with_ratios`` derives the rest).
 _PER_REPEAT = ("engine_tokens_per_s", "tokens_per_s", "clients_stalled_s")
 
 
 def merged_halves(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One throughput result of the halves' ``measure_throughput`` results, in order: their
-    repeats one after another, failures added, ratios and spreads over all; ``halves`` says
-    each half's start order and its engine ratios."""
+    repeats one after another, failures added, ratios and spreads over all (``with_ratios``);
+    ``halves`` says each half's start order and its engine ratios."""
     merged: dict[str, Any] = {key: {"on": [], "off": []} for key in _PER_REPEAT}
     merged["failed_streams"] = {"on": 0, "off": 0}
     for part in parts:
@@ -987,15 +994,9 @@ def merged_halves(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 merged[key][side] += part[key][side]
         for side in ("on", "off"):
             merged["failed_streams"][side] += part["failed_streams"][side]
-    merged["engine_ratios"] = paired_ratios(merged["engine_tokens_per_s"]["on"],
-                                            merged["engine_tokens_per_s"]["off"])
-    merged["ratios"] = paired_ratios(merged["tokens_per_s"]["on"],
-                                     merged["tokens_per_s"]["off"])
-    merged["engine_ratio_spread"] = spread(merged["engine_ratios"])
-    merged["ratio_spread"] = spread(merged["ratios"])
     merged["halves"] = [{"started": part["started"], "engine_ratios": part["engine_ratios"]}
                         for part in parts]
-    return merged
+    return with_ratios(merged)
 
 
 def engine_start_s(engines: dict[str, list[float]]) -> float | None:
