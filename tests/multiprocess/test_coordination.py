@@ -71,9 +71,10 @@ def test_link_break_blocks_peer_stops_it_and_both_rerun(tmp_path, transport):
     assert [(e["step"], e["index"]) for e in r1["link_errors"]] == [(3, 1)]
     assert r1["stops"] == []
     assert [(s["step"], s["attempt"], s["index"]) for s in r0["stops"]] == [(3, 0, 1)]
-    assert r0["stops"][0]["blocked_s"] >= delay - 0.1
-    detection = r0["stops"][0]["at"] - r1["link_errors"][0]["at"]
-    assert -0.05 < detection < 1.0, detection
+    # Its monitor's stop ended its wait (not the check before a collective, not a deadline),
+    # after rank 1's link error.
+    assert "stopped while blocked" in r0["stops"][0]["error"], r0["stops"][0]["error"]
+    assert r1["link_errors"][0]["at"] <= r0["stops"][0]["at"]
 
     for res, state in ((r0, "stopped"), (r1, "failed")):
         assert res["rollbacks"] == [["execute", 3]]
@@ -86,7 +87,9 @@ def test_link_break_blocks_peer_stops_it_and_both_rerun(tmp_path, transport):
         assert len(res["replacements"]) == 1 and res["replacements"][0]["new_objects"]
         assert res["groups_replaced"]
         assert [(x["step"], x["failures"]) for x in res["recovered"]] == [(3, 1)]
-        assert res["recovered"][0]["recovery_s"] < 2.0
+    # Each rank rebuilt after its own part of the fault: rank 1's error, rank 0's stop.
+    assert r1["link_errors"][0]["at"] <= r1["rebuilds"][0]["at"]
+    assert r0["stops"][0]["at"] <= r0["rebuilds"][0]["at"]
 
 
 # --- b. a link flap ---------------------------------------------------------------------------
@@ -210,10 +213,13 @@ def test_dead_peer_makes_survivor_raise_within_round_timeout(tmp_path, death, co
     assert r0["outputs"] == h.expected_outputs(2, 4)[:1]
     assert [r["decision"] for r in r0["rounds"]] == ["raise"]
     assert r0["rollbacks"] == []
-    # Rank 0 was stopped out of its collective, then gave up within the round's bound.
+    # Rank 0 was stopped out of its collective after the fault, then gave up when a wait of
+    # the round ran out of its bound (round_timeout_s): the wait the message names.
     assert [s["step"] for s in r0["stops"]] == [2]
-    elapsed = err["at"] - fired
-    assert elapsed < round_timeout + 2.0, elapsed
+    assert fired <= r0["stops"][0]["at"] <= err["at"]
+    bound = {"exit_before_report": f"rank(s) [1] did not report within {round_timeout:g} s",
+             "exit_in_rebuild": f"wait timeout after {round_timeout * 1000:.0f}ms"}[death]
+    assert bound in err["message"], err["message"]
 
 
 # --- f. three ranks, two faults in one step ---------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -19,12 +20,36 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120),
               pytest.mark.skipif(not shm.available(), reason="needs x86-64 and /dev/shm")]
 
 
+class _Stop:
+    """A rank's stop flag, as its collectives poll it. Once armed, the first poll (the rank
+    is then blocked in a collective) has another thread set it, as a monitor does; the polls
+    that saw it clear and set are counted."""
+
+    def __init__(self) -> None:
+        self.now = False
+        self.armed = False
+        self.polls = {"clear": 0, "set": 0}
+        self._setter: threading.Thread | None = None
+
+    def __call__(self) -> bool:
+        if not self.armed:
+            return self.now
+        if self.now:
+            self.polls["set"] += 1
+            return True
+        self.polls["clear"] += 1
+        if self._setter is None:
+            self._setter = threading.Thread(target=lambda: setattr(self, "now", True))
+            self._setter.start()
+        return False
+
+
 def _rank(rank: int, world: int, port: int, outdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     store = dist.distributed_c10d._get_default_store().clone()
-    stop = {"now": False}
-    group = shm.rendezvous(store, "t", rank, world, stopped=lambda: stop["now"], timeout_s=30)
+    stop = _Stop()
+    group = shm.rendezvous(store, "t", rank, world, stopped=stop, timeout_s=30)
     result = {}
     # Sums equal gloo's, for several shapes and dtypes, many times over (slot reuse).
     for step in range(50):
@@ -48,16 +73,13 @@ def _rank(rank: int, world: int, port: int, outdir: str) -> None:
     # Rank 1 never joins the next all-reduce: rank 0 blocks until it is stopped.
     dist.barrier()
     if rank == 0:
-        import threading
-
-        threading.Timer(0.3, lambda: stop.update(now=True)).start()
-        started = time.monotonic()
+        stop.armed = True
         try:
             group.all_reduce(torch.ones(4))
             result["blocked"] = "returned"
         except Exception as exc:  # noqa: BLE001 - the test looks at what it was
-            result["blocked"] = type(exc).__name__
-            result["blocked_s"] = time.monotonic() - started
+            result["blocked"] = f"{type(exc).__name__}: {exc}"
+        result["polls"] = stop.polls
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -83,8 +105,10 @@ def test_collectives_match_gloo_and_a_stop_unblocks(tmp_path):
     r0, r1 = _run_ranks(_rank, tmp_path)
     assert r0["all_gather"] == r1["all_gather"] == [0.0] * 4 + [1.0] * 4
     assert r0["gather"] == [[0.0] * 4, [1.0] * 4]
-    assert r0["blocked"] == "CommunicationStopped"
-    assert 0.2 < r0["blocked_s"] < 2.0
+    assert r0["blocked"].startswith("CommunicationStopped: rank 0: shared-memory collective "
+                                    "stopped while blocked")
+    # Blocked (it polled the stop while clear), and released by the first poll that saw it.
+    assert r0["polls"]["clear"] >= 1 and r0["polls"]["set"] == 1, r0["polls"]
     # The segment was unlinked as soon as both ranks had it mapped.
     assert not (set(Path("/dev/shm").glob("ftkit-*")) - before)
 

@@ -41,7 +41,7 @@ from test_serve_restart import assert_exact, ftkit_lines, resumed, run_all
 from ftkit import inject_live_fault
 from ftkit.vllm.environment import cpu_threads_bind
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.exhaustive, pytest.mark.timeout(900)]
 
 SECRET = "a-secret-of-24-characters"
 #: Greedy and seeded, two of each: four streams, spread over the two replicas.

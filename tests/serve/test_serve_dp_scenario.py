@@ -15,7 +15,7 @@ from ftkit.results import Verdict
 from ftkit.scenario import load_scenario
 from ftkit.scenario.model import RecoverySpec
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.exhaustive, pytest.mark.timeout(600)]
 
 SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "serve_data_parallel.yaml"
 

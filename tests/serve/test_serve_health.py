@@ -25,7 +25,7 @@ from ftkit.serve.control import SECRET_ENV, SECRET_HEADER
 from ftkit.serve.state import OWNER_FILE
 from ftkit.vllm.environment import _inductor_cache_dir
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.vllm, pytest.mark.exhaustive, pytest.mark.timeout(400)]
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 16

@@ -18,7 +18,7 @@ from test_serve_scenario import run
 from ftkit.results import Verdict
 from ftkit.scenario import load_scenario_text
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.exhaustive, pytest.mark.timeout(600)]
 
 SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "serve_process_kill.yaml"
 

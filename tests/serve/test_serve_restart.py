@@ -318,6 +318,7 @@ def reference(server: Any, requests: list[tuple[str, dict[str, Any]]]) -> list[d
     return runs
 
 
+@pytest.mark.exhaustive  # test_inject_live's concurrent fault-free runs in the fast tier
 def test_fault_free_runs_agree(server, requests, reference):
     """The oracle: the same server's fault-free run gives the same streams again."""
     runs, _ = run_all(server.base_url, "ref2", requests)

@@ -115,6 +115,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "assistant:")
 
 
+@pytest.mark.exhaustive
 def test_a_chat_serve_scenario_compares_each_sample_and_its_top_logprobs(tiny_model,
                                                                          monkeypatch):
     """The chat API: request 1 samples two completions with top-2 logprobs, through the link
@@ -148,6 +149,7 @@ def test_a_chat_serve_scenario_compares_each_sample_and_its_top_logprobs(tiny_mo
     assert result.client is not None and result.client.api == "chat"
 
 
+@pytest.mark.exhaustive
 def test_a_flap_beyond_max_reinference_fails_the_serve_scenario(tiny_model):
     """The crippled variant: the same flap with one re-run for its two failing attempts
     (``model_copy`` skips the rule that refuses expecting recovery then) ends the engine:

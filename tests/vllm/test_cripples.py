@@ -189,22 +189,27 @@ def _sample_and_late_kv_damage(result: dict, run: str) -> None:
 
 # --- tensor parallel 1 ----------------------------------------------------------------------
 
+@pytest.mark.exhaustive  # each repair is switched off at TP 2 in the fast tier
 def test_tp1_with_every_repair_every_fault_is_exact(tp1):
     _repaired(tp1)
 
 
+@pytest.mark.exhaustive  # each repair is switched off at TP 2 in the fast tier
 def test_tp1_without_sample_rollback_the_seeded_stream_breaks_at_the_faulted_token(tp1):
     _sample_and_late_kv_damage(tp1, _run_of(1, "no_rollback_sample"))
 
 
+@pytest.mark.exhaustive  # each repair is switched off at TP 2 in the fast tier
 def test_tp1_without_generator_restore_the_seeded_stream_breaks_at_the_faulted_token(tp1):
     _seeded_stream_breaks_at(tp1, _run_of(1, "no_generator_restore"), SAMPLE_AT)
 
 
+@pytest.mark.exhaustive  # each repair is switched off at TP 2 in the fast tier
 def test_tp1_without_batch_reset_a_rolled_back_block_corrupts_later_kv(tp1):
     _sample_and_late_kv_damage(tp1, _run_of(1, "no_batch_reset"))
 
 
+@pytest.mark.exhaustive  # each repair is switched off at TP 2 in the fast tier
 def test_tp1_without_fast_forward_the_resumed_seeded_stream_breaks_at_the_kill(tp1):
     _seeded_stream_breaks_at(tp1, _run_of(1, "no_fast_forward"), KILL_AT, restarts=1)
 

@@ -33,6 +33,7 @@ def hang_run(tiny_model: str, event_log: str):
         return engine.execute_timeout, run_with_faults(engine, GREEDY, [HANG], timeout_s=180)
 
 
+@pytest.mark.exhaustive  # the plugin's raise, and the negative of both, in the fast tier
 def test_ftkit_raises_vllms_timeout_and_the_long_hang_is_recovered(
         tiny_model, baseline, tmp_path, monkeypatch):
     monkeypatch.setenv(VLLM_EXECUTE_TIMEOUT_ENV, "20")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.exhaustive, pytest.mark.timeout(600)]
 
 RUNNER = Path(__file__).with_name("_feature_run.py")
 #: 84 tokens: two full KV blocks of 32 (what the prefix cache shares) and a partial one.

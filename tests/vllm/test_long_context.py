@@ -23,7 +23,7 @@ import pytest
 
 from conftest import feature_run
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.exhaustive, pytest.mark.timeout(900)]
 
 AT = 1500
 MAX_TOKENS = 1540

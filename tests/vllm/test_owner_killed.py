@@ -202,6 +202,7 @@ def test_without_the_watchdog_a_killed_owner_leaves_its_engine_behind(tmp_path):
         procs.remove_files(info["leftovers"])
 
 
+@pytest.mark.exhaustive  # Ctrl-C of ftkit run in the fast tier: test_run_e2e
 def test_ctrl_c_ends_the_engine_of_a_pytest_run_within_10_s(tmp_path):
     """Ctrl-C at a terminal: SIGINT to the run's whole process group (pytest, the engine core
     and its workers; the watchdog has a session of its own). The engine is gone within 10 s;

@@ -61,25 +61,27 @@ def test_sampling_fault_before_a_step_that_admits_a_late_request(tp2_engine, bas
     never ran N+1. Unless both ranks rebuild their batch alike, their rows come out in a
     different order and every all-reduce of N+1 sums different tokens: wrong tokens for all.
 
-    Whether a run meets that condition depends on timing (the late request must join step
-    N+1, and rank 0 must already be in it), so the run is repeated until it does; every run's
-    tokens must be exact."""
+    The condition is held in place by two hangs, each far longer than the work it waits for:
+    rank 0 hangs in step N's forward first (its operator timeout ends it), so the engine
+    core, which waits for rank 0's output, schedules N+1 after the late request (submitted
+    after step N-1's output) has arrived; then rank 1 hangs in step N's sampling, while rank
+    0 goes on into N+1 and blocks there. The rounds and token times assert that it held."""
     arrivals = [0, 0, 0, 5]
-    met = 0
-    for _ in range(4):
-        run = run_with_faults(tp2_engine, GREEDY, [fault("link_break", 1, 0, 5, "sample")],
-                              submit_after_steps=arrivals)
-        assert run.error is None and len(run.fired) == 1
-        assert run.tokens == baseline.tokens["greedy"]
-        states = {r.rank: (r.state, r.rpc_kind) for r in run.rounds}
-        # Request 3's first token came from the step after the faulty one (request 0's
-        # token 6): tokens of one engine step share one time.
-        joined_next = run.token_times[3][0] == run.token_times[0][6]
-        if joined_next and states == {0: ("stopped", "execute"), 1: ("failed", "sample")}:
-            met += 1
-            if met == 2:
-                break
-    assert met, "no run had the late request join the step that rank 0 rolled back"
+    run = run_with_faults(tp2_engine, GREEDY,
+                          [fault("hang", 0, 0, 5, "forward", op_timeout_s=1.0),
+                           fault("hang", 1, 0, 5, "sample", op_timeout_s=1.0)],
+                          submit_after_steps=arrivals)
+    assert run.error is None
+    assert [(e.rank, e.phase) for e in run.fired] == [(0, "forward"), (1, "sample")]
+    assert run.tokens == baseline.tokens["greedy"]
+    by_epoch = {}
+    for r in run.rounds:
+        by_epoch.setdefault(r.epoch, {})[r.rank] = (r.state, r.rpc_kind)
+    rounds = [by_epoch[e] for e in sorted(by_epoch)]
+    assert rounds[-1] == {0: ("stopped", "execute"), 1: ("failed", "sample")}, rounds
+    # Request 3's first token came from the step after the faulty one (request 0's token 6):
+    # tokens of one engine step share one time.
+    assert run.token_times[3][0] == run.token_times[0][6]
 
 
 def test_healthy_rank_was_really_blocked_and_stopped(tp2_engine, baseline):
@@ -158,9 +160,9 @@ def test_sampling_fault_on_rank_1_in_the_last_step_is_recovered_within_the_run(
 
 def test_without_settling_the_last_step_round_is_missing_from_the_run(
         tp2_engine, baseline, monkeypatch):
-    """The crippled variant: without waiting for every rank at the end, the run's records
-    lack the round that recovered rank 1's fault. (Rank 1 hangs 2 s in that sampling before
-    it fails: the run has long ended by then, however loaded the machine.)"""
+    """The crippled variant: without waiting for every rank at the end, the run ends while
+    rank 1 still hangs in the last step's sampling (2 s, its operator timeout): the round
+    that recovers rank 1's fault begins after the run returned, and its records lack it."""
     request, token = _last_step_sample_fault(baseline)
     started = time.time()
     with monkeypatch.context() as patched:
@@ -168,6 +170,7 @@ def test_without_settling_the_last_step_round_is_missing_from_the_run(
         run = run_with_faults(tp2_engine, GREEDY,
                               [fault("hang", 1, request, token, "sample", op_timeout_s=2.0)],
                               submit_after_steps=LAST_ALONE)
+    returned = time.time()
     # Rank 1 is still recovering: let it finish before the next test's workload.
     tp2_engine._settle(None)
     assert run.error is None
@@ -178,19 +181,23 @@ def test_without_settling_the_last_step_round_is_missing_from_the_run(
     late = [e for e in only(read_events(tp2_engine.recovery.event_log_dir), RecoveryRound)
             if e.time >= started and e.rank == 1 and e.state == "failed"]
     assert [e.fault for e in late] == ["hang"]
+    assert late[0].started >= returned
 
 
 def test_flap_beyond_max_reinference_fails_cleanly_and_reaps(tiny_model, baseline, tmp_path):
     engine = EngineSession(EngineSpec(model=tiny_model, tensor_parallel_size=2),
                            recovery=recovery_config(str(tmp_path), max_reinference=3))
-    started = time.monotonic()
     with engine:
         run = run_with_faults(engine, GREEDY, [fault("link_flap", 1, 0, 17, "forward", times=4)],
                               timeout_s=120)
-    assert time.monotonic() - started < 180
+    # Ended by the exhaustion that the fourth failure made every rank decide (a run past its
+    # deadline would have raised RunTimeout instead).
     assert run.error is not None and "max_reinference is 3" in run.error
     assert len(run.fired) == 4
     assert [r.decision for r in run.rounds if r.rank == 0] == ["recompute"] * 3 + ["raise"]
+    raised = [r for r in run.rounds if r.decision == "raise"]
+    assert sorted(r.rank for r in raised) == [0, 1]
+    assert all(run.fired[-1].time <= r.started for r in raised)
     for got, want in zip(run.tokens, baseline.tokens["greedy"]):
         assert got == want[: len(got)]
     assert len(run.tokens[0]) <= 17

@@ -102,7 +102,8 @@ def test_tp1_sampling_fault_gives_identical_tokens_and_logprobs(tp1_engine, plai
     assert_identical(got, plain[workload])
 
 
-@pytest.mark.parametrize("kind, params", [("oom", {}), ("uce", {"region": "activation"})])
+@pytest.mark.parametrize("kind, params", [
+    ("oom", {}), pytest.param("uce", {"region": "activation"}, marks=pytest.mark.exhaustive)])
 def test_tp1_resampling_from_the_kept_logits_shows_the_damage(tiny_model, plain, tmp_path,
                                                               kind, params):
     """The earlier design: the re-sample applies the penalties and the bias a second time to
@@ -121,6 +122,7 @@ def test_tp1_resampling_from_the_kept_logits_shows_the_damage(tiny_model, plain,
         assert drift and drift[0] == token, (r, drift)
 
 
+@pytest.mark.exhaustive  # sampling faults at TP 2 in the fast tier: test_recovery_tp2
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workload", ["greedy", "seeded"])
 @pytest.mark.parametrize("kind, rank, params", [
@@ -137,6 +139,7 @@ def test_tp2_sampling_fault_reruns_the_forward_on_every_rank(tp2_engine, plain_t
     assert_identical(got, plain_tp2[workload])
 
 
+@pytest.mark.exhaustive
 @pytest.mark.multiprocess
 def test_tp2_a_peer_that_moved_on_undoes_its_step_and_reruns_it(tp2_engine, plain_tp2):
     """Rank 1 fails sampling while rank 0 (the output rank) has sampled the step and gone
