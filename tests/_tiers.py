@@ -42,8 +42,6 @@ UNKNOWN_UNIT_S = 120.0
 SELECTION = pytest.StashKey["Selection"]()
 #: On an item, set when the tier or the shard left it out (the CI gate reads it).
 OUT_OF_TIER = pytest.StashKey[bool]()
-#: On the config: node ids of every item collected, per file (before any deselection).
-COLLECTED = pytest.StashKey[dict]()
 
 
 @dataclass(frozen=True)
@@ -128,18 +126,12 @@ def configure(config: pytest.Config) -> None:
         config.pluginmanager.register(DurationRecorder(), "ftkit-durations")
 
 
-
 def pytest_report_header(config: pytest.Config) -> str:
     return f"ftkit tiers: {config.stash[SELECTION].describe()}"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    collected: dict[str, list[str]] = {}
-    for item in items:
-        collected.setdefault(file_of(item.nodeid), []).append(item.nodeid)
-    config.stash[COLLECTED] = collected
-
     selection = config.stash[SELECTION]
     shards = {}
     if selection.shard is not None:
@@ -193,4 +185,3 @@ class DurationRecorder:
         merged = recorded_durations()
         merged.update({f: round(self.seconds[f], 1) for f in complete})
         DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
-

@@ -69,12 +69,17 @@ def marks_real_engine(file: Path) -> bool:
                for node in ast.walk(tree))
 
 
+def skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    """The reason a skipped report gives, without pytest's ``Skipped: `` prefix."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+    return reason.removeprefix("Skipped: ")
+
+
 class CiGate:
     """A plugin, registered under CI: what the run did with the real-engine tests (the outcome
     of each, those deselected, the tests reported per file) and, at the end, the verdict."""
 
     def __init__(self, config: pytest.Config) -> None:
-        self.config = config
         self.rootdir = config.rootpath.resolve()
         invoked_in = config.invocation_params.dir
         #: The run's paths, absolute (a node id part ``::test`` kept).
@@ -83,6 +88,8 @@ class CiGate:
         #: nodeid -> "passed", "failed", "skipped (reason)" or "xfail (reason)".
         self.outcomes: dict[str, str] = {}
         self.deselected: list[str] = []
+        #: Items collected per file, before any selection (the tiers' included).
+        self.collected_per_file: dict[str, int] = {}
         #: Real-engine items the run holds after every selection: each must report.
         self.expected: list[str] = []
         self.collection_skips: list[str] = []
@@ -94,6 +101,14 @@ class CiGate:
         self.deselected += [item.nodeid for item in items if self._is_real_engine_item(item)
                             and not item.stash.get(_tiers.OUT_OF_TIER, False)]
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        """Counted before the tiers, ``-m`` or ``-k`` take any item out (registered after
+        ``conftest.py``, this runs before its hook of the same name)."""
+        for item in items:
+            path = item.nodeid.split("::", 1)[0]
+            self.collected_per_file[path] = self.collected_per_file.get(path, 0) + 1
+
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         """A module skipped as a whole (``pytest.skip(allow_module_level=True)``, an
         ``importorskip``) that holds real-engine tests, in any folder."""
@@ -101,9 +116,8 @@ class CiGate:
         if not report.skipped or "::" in report.nodeid or path.suffix != ".py":
             return
         if self._in_real_engine_dir(path) or marks_real_engine(path):
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
             self.collection_skips.append(
-                f"skipped at collection: {report.nodeid} ({reason.removeprefix('Skipped: ')})")
+                f"skipped at collection: {report.nodeid} ({skip_reason(report)})")
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.expected = [item.nodeid for item in session.items
@@ -118,8 +132,7 @@ class CiGate:
             # Marked xfail: a failure passes as "xfailed" and a pass as "xpassed".
             self.outcomes[report.nodeid] = f"xfail ({report.wasxfail or 'no reason given'})"
         elif report.skipped:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
-            self.outcomes[report.nodeid] = f"skipped ({reason.removeprefix('Skipped: ')})"
+            self.outcomes[report.nodeid] = f"skipped ({skip_reason(report)})"
         else:
             self.outcomes.setdefault(report.nodeid, report.outcome)
 
@@ -150,9 +163,8 @@ class CiGate:
         found += [f"deselected: {nodeid}" for nodeid in sorted(self.deselected)]
         found += sorted(self.collection_skips)
         found += [f"not run: {nodeid}" for nodeid in self.expected if nodeid not in self.outcomes]
-        collected = self.config.stash.get(_tiers.COLLECTED, {})
         for path, floor in sorted(self.floors().items()):
-            count = len(collected.get(path, ()))
+            count = self.collected_per_file.get(path, 0)
             if count < floor:
                 found.append(f"not collected: {path} defines {floor} test(s), "
                              f"{count} collected")

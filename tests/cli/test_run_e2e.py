@@ -182,7 +182,8 @@ runner_state.V1RunnerState.rollback_execute = lambda self, scheduler_output: Non
 """
 
 
-@pytest.mark.exhaustive  # the fast tier's: test_explore_e2e's rollback campaign, its run of the file
+# In the fast tier: test_explore_e2e's rollback campaign and its run of the shrunk file.
+@pytest.mark.exhaustive
 def test_a_crippled_engine_gets_verdict_fail_with_its_first_divergence(tmp_path, cache_dir):
     scenario = write(tmp_path, "new_block.yaml", TP1_NEW_BLOCK)
     patch = tmp_path / "cripple"
