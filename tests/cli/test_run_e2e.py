@@ -28,6 +28,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 FTKIT = [sys.executable, "-c", "from ftkit_cli.main import main; main()"]
+#: ``ftkit`` as a terminal's foreground job runs it: Ctrl-C raises KeyboardInterrupt. A job
+#: started in the background of a non-interactive shell (a CI runner may start the suite so)
+#: inherits SIGINT ignored, and Python leaves an ignored SIGINT ignored.
+FTKIT_AT_A_TERMINAL = [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, "
+                       "signal.default_int_handler); from ftkit_cli.main import main; main()"]
 
 TP1_OOM = """\
 name: oom_decode
@@ -302,9 +307,9 @@ def test_ctrl_c_ends_a_tp2_run_within_10_s_and_leaves_nothing(tmp_path, cache_di
     own_tmp = Path(tempfile.mkdtemp(prefix="e2e-"))
     env["TMPDIR"] = str(own_tmp)
     before = leftover_files()
-    proc = subprocess.Popen(FTKIT + ["run", str(scenario)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(FTKIT_AT_A_TERMINAL + ["run", str(scenario)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=ROOT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         shown = []

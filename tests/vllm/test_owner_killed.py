@@ -213,7 +213,12 @@ def test_ctrl_c_ends_the_engine_of_a_pytest_run_within_10_s(tmp_path):
     env.pop("CI", None)  # the inner run is no CI run (the suite's CI gate)
     with open(output, "w") as out:
         pytest_run = procs.spawn(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_owner.py"],
+            # As a terminal's foreground job runs it: SIGINT raises KeyboardInterrupt (a job
+            # started in the background of a non-interactive shell, as a CI runner may start
+            # the suite, inherits it ignored, and Python leaves an ignored SIGINT ignored).
+            [sys.executable, "-c", "import signal, sys, pytest; signal.signal(signal.SIGINT, "
+             "signal.default_int_handler); sys.exit(pytest.main(sys.argv[1:]))",
+             "-q", "-p", "no:cacheprovider", "test_owner.py"],
             cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     info = {"pids": [], "leftovers": []}
     try:
