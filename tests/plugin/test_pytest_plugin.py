@@ -396,19 +396,6 @@ def test_settings_read_from_a_real_config(pytester):
 
 # --- real engines -----------------------------------------------------------------------------
 
-@pytest.mark.vllm
-@pytest.mark.timeout(900)
-def test_scenario_files_pass_and_fail_on_a_real_engine(pytester, engine_env):
-    pytester.makefile(".yaml", **{"scenarios/oom_recovered": OOM_RECOVERED,
-                                  "scenarios/oom_wrongly_expected": OOM_WRONGLY_EXPECTED})
-    result = pytester.runpytest_subprocess("scenarios", timeout=800)
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*_ scenario oom_wrongly_expected _*",
-                                 "ftkit verdict fail: *",
-                                 "fault: oom on rank 0 at request 0 token 5 (forward, times 2): "
-                                 "fired 2x, recovered in *"])
-
-
 FIXTURE_TESTS = """
 import pytest
 
@@ -450,10 +437,17 @@ def test_marker_setting_beats_the_command_line(ftkit_injector):
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_marker_and_fixtures_on_a_real_engine(pytester, engine_env):
+def test_scenario_files_marker_and_fixtures_on_a_real_engine(pytester, engine_env):
+    """One inner run (its engines shared, as a downstream suite's are): scenario files that
+    pass and fail, and tests that use the marker and the fixtures."""
+    pytester.makefile(".yaml", **{"scenarios/oom_recovered": OOM_RECOVERED,
+                                  "scenarios/oom_wrongly_expected": OOM_WRONGLY_EXPECTED})
     pytester.makepyfile(test_faults=FIXTURE_TESTS)
     result = pytester.runpytest_subprocess("--strict-markers", "--ftkit-max-reinference=3",
-                                           timeout=800)
-    result.assert_outcomes(passed=2, failed=1)
+                                           "scenarios", "test_faults.py", timeout=800)
+    result.assert_outcomes(passed=3, failed=2)
+    result.stdout.fnmatch_lines(["*_ scenario oom_wrongly_expected _*",
+                                 "ftkit verdict fail: *",
+                                 "fault: oom on rank 0 at request 0 token 5 (forward, times 2): "
+                                 "fired 2x, recovered in *"])
     result.stdout.fnmatch_lines(["*_ test_wrong_expectation _*", "*WRONG EXPECTATION*"])
-

@@ -34,6 +34,8 @@ from ftkit.procs import is_process_helper
 from ftkit.scenario import EngineSpec, FaultSpec
 from ftkit.vllm.engine import EngineSession
 
+from _feature_run import ENGINE_STARTS  # noqa: F401 - the key of a feature run's engine count
+
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog",
     "link fault in the cluster",
@@ -50,18 +52,33 @@ WORKLOADS = {"greedy": GREEDY, "seeded": SEEDED, "long": LONG}
 RESUME_PROMPTS = ["A small boat crossed the quiet lake at night.",
                   "Write a short story about a river and a mountain."]
 FEATURE_PROMPTS = [*RESUME_PROMPTS, "The old clock in the hall struck twelve."]
+#: test_sample_phase's workloads: the features that change the logits in place.
+SAMPLE_PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "logprobs": 2,
+                    "logit_bias": {"17": 1.5, "40": -2.0}}
+SAMPLE_WORKLOADS = {
+    "greedy": SamplingSpec(max_tokens=24, extra=SAMPLE_PENALTIES),
+    "seeded": SamplingSpec(max_tokens=24, temperature=0.9, top_p=0.95, seed=77,
+                           extra=SAMPLE_PENALTIES)}
 PLAIN_RUNS = {"resume_stop": (RESUME_PROMPTS, SamplingSpec(max_tokens=30)),
               "resume_features": (FEATURE_PROMPTS, SamplingSpec.from_mapping({
                   "max_tokens": 28,
                   "requests": [{}, {"frequency_penalty": 0.8, "presence_penalty": 0.8},
-                               {"n": 2, "temperature": 0.8, "seed": 7}]}))}
+                               {"n": 2, "temperature": 0.8, "seed": 7}]})),
+              **{f"sample_{name}": (PROMPTS, sampling)
+                 for name, sampling in SAMPLE_WORKLOADS.items()},
+              # test_pipeline's oracle: one rank.
+              "pipeline": (["the quick brown fox jumps over the lazy dog",
+                            "one two three four five"],
+                           SamplingSpec.from_mapping({"max_tokens": 48, "requests": [
+                               {}, {"temperature": 0.8, "seed": 1234}]}))}
 
 
 @dataclass
 class Baseline:
     tokens: dict[str, list[list[int]]]
     prompt_lens: list[int]
-    #: Per name of ``PLAIN_RUNS``: each completion's tokens and text, in request order.
+    #: Per name of ``PLAIN_RUNS``: each completion's tokens, text, sampled tokens' logprobs
+    #: and top logprobs, in request order.
     plain_runs: dict[str, list[dict]]
 
 
@@ -83,7 +100,10 @@ def baseline(tiny_model: str) -> Baseline:
         for name, (prompts, sampling) in PLAIN_RUNS.items():
             out = engine.generate(prompts, sampling)
             assert out.error is None, out.error
-            plain_runs[name] = [{"tokens": r.token_ids, "text": r.text} for r in out.requests]
+            plain_runs[name] = [{"tokens": r.token_ids, "text": r.text, "logprobs": r.logprobs,
+                                 "top_logprobs": None if r.top_logprobs is None else
+                                 [[list(p) for p in pos] for pos in r.top_logprobs]}
+                                for r in out.requests]
         tokenizer = engine.llm.get_tokenizer()
         lens = [len(tokenizer.encode(p)) for p in PROMPTS]
     return Baseline(tokens, lens, plain_runs)

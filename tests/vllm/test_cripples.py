@@ -4,10 +4,11 @@ logprobs, where that repair says it would.
 
 Each tensor-parallel size runs in one child process (``_feature_run.py``): a plain engine
 (no ftkit) gives the fault-free run, ftkit's engine with every fault of the module the repaired
-one, and then engines with crippled repairs, each with only the faults those repairs handle.
-Cripples that live in the workers are loaded as ``sitecustomize`` by every process of the
-engine (``_feature_run.EVERYWHERE``; several switched off together share one); the resume
-cripple lives in the front end.
+one, and then the same engine with crippled repairs, each run with only the faults its
+repairs handle (the weight reload's last: the weights it leaves damaged stay so). Cripples
+that live in the workers are loaded as ``sitecustomize`` by every process of the engine and
+switched on for their run alone (``_feature_run.EVERYWHERE``); the resume cripple lives in the
+front end.
 
 The workload: request 0 greedy, request 1 seeded (temperature 0.8), both with the logprob of
 each sampled token; every engine core in a process of its own (a process kill's target).
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import feature_run
+from conftest import ENGINE_STARTS, feature_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -72,8 +73,8 @@ def _faults(tp: int) -> dict[str, dict]:
                      else _fault("process_kill", 1, 1, KILL_AT))}
 
 
-#: Cripples run together, their faults with them (see the module docstring): one engine
-#: each, per tensor-parallel size.
+#: Cripples run together, their faults with them (see the module docstring): one run each,
+#: per tensor-parallel size.
 PAIRED = {1: [("no_rollback_sample", "no_batch_reset")],
           2: [("no_rollback_sample", "no_batch_reset"),
               ("no_generator_restore", "no_rollback_execute")]}
@@ -83,8 +84,8 @@ CRIPPLED = {
         "no_batch_reset": "execute", "no_fast_forward": "kill"},
     2: {"no_rollback_execute": "execute", "no_rollback_sample": "sample",
         "no_generator_restore": "sample", "no_batch_reset": "execute",
-        "no_kv_recompute": "reset", "no_reload": "weights",
-        "resume_prompt_only": "kill", "no_fast_forward": "kill"}}
+        "no_kv_recompute": "reset", "resume_prompt_only": "kill", "no_fast_forward": "kill",
+        "no_reload": "weights"}}  # last: its damaged weights stay (``_feature_run.LASTING``)
 
 
 def _groups(tp: int) -> list[tuple[str, ...]]:
@@ -156,11 +157,15 @@ def _ran(result: dict, run: str, restarts: int = 0) -> None:
 
 
 def _repaired(result: dict) -> None:
-    """ftkit's run, with every fault of the module: tokens and logprobs as the plain engine's."""
+    """ftkit's run, with every fault of the module: tokens and logprobs as the plain engine's.
+    It runs on a fresh engine; the crippled runs after it on the same one (each cripple is
+    switched on for its run alone), and the engines that replace it after each kill."""
     _ran(result, "plain")
     _ran(result, "ftkit", restarts=1)
     assert result["ftkit"]["kv"], "the device reset's lost KV was recomputed"
     assert _exact(result, "ftkit", 0) and _exact(result, "ftkit", 1)
+    restarts = sum(run["restarts"] for name, run in result.items() if name != ENGINE_STARTS)
+    assert result[ENGINE_STARTS] == 2 + restarts  # the plain engine and ftkit's
 
 
 def _seeded_stream_breaks_at(result: dict, run: str, at: int, restarts: int = 0) -> None:

@@ -14,19 +14,21 @@ rebuilt together on every rank, and a link flap on the second stage fails it aga
 first stage re-runs its part in its monitor thread: that re-run is stopped by the further
 round and goes on after it (``IdleReplayStopped``).
 
-One child process (``_feature_run.py``) runs, each on an engine of its own: a plain engine of
-one rank (the oracle), a plain engine of two stages (ftkit's plugin loaded, recovery off: the
-CPU build's eager-mode buffer, ``allocate_cpu_eager_buffer``), ftkit's engine of two stages
-with every fault, the crippled one, and a plain and ftkit's engine of two stages of two
-ranks. The workload: request 0 greedy, request 1 seeded
-(temperature 0.8), the logprob of each sampled token recorded.
+The oracle is the session's plain engine of one rank (``conftest.PLAIN_RUNS``). One child
+process (``_feature_run.py``) runs a plain engine of two stages (ftkit's plugin loaded,
+recovery off: the CPU build's eager-mode buffer, ``allocate_cpu_eager_buffer``), ftkit's
+engine of two stages with every fault and then, the same engine, with the replay switched
+off, and a plain and ftkit's engine of two stages of two ranks. The workload: request 0
+greedy, request 1 seeded (temperature 0.8), the logprob of each sampled token recorded.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import feature_run, streams
+from ftkit.contracts.job import SamplingSpec
+
+from conftest import PLAIN_RUNS, feature_run, streams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -71,12 +73,16 @@ STAGES_OF_TWO_FAULTS = [_fault("link_flap", 2, 3, times=2),
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model: str, tmp_path_factory) -> dict:
-    return feature_run({
+def results(tiny_model: str, baseline, tmp_path_factory) -> dict:
+    # The oracle, one rank: the session's baseline engine (conftest.PLAIN_RUNS).
+    prompts, sampling = PLAIN_RUNS["pipeline"]
+    assert (prompts, sampling.to_mapping()) == \
+        (PROMPTS, SamplingSpec.from_mapping(SAMPLING).to_mapping())
+    plain = {"error": None, "outputs": baseline.plain_runs["pipeline"]}
+    return {"plain": plain, **feature_run({
         "model": tiny_model, "prompts": PROMPTS, "sampling": SAMPLING,
         "event_log_dir": str(tmp_path_factory.mktemp("pipeline-events")),
         "runs": [
-            {"name": "plain", "recovery": False},
             {"name": "plain_stages", "recovery": False, "workload": PIPELINE},
             {"name": "ftkit", "recovery": True, "faults": FAULTS, "workload": PIPELINE},
             {"name": "no_forward_replay", "recovery": True, "cripple": "no_forward_replay",
@@ -84,7 +90,7 @@ def results(tiny_model: str, tmp_path_factory) -> dict:
             {"name": "plain_stages_of_two", "recovery": False, "workload": STAGES_OF_TWO},
             {"name": "stages_of_two", "recovery": True, "faults": STAGES_OF_TWO_FAULTS,
              "workload": STAGES_OF_TWO},
-        ]}, timeout_s=850)
+        ]}, timeout_s=850)}
 
 
 def test_the_oracle_is_complete(results):

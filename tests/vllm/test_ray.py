@@ -10,9 +10,9 @@ the whole cluster for the head) and every request resumed. The ranks' collective
 gloo path, never shared memory: they are on two nodes. On one node, a running cluster the
 engine joins by its address (``engine.ray_address``; the test starts it), the same link flap
 is recovered with shared memory between the ranks, and a Ray worker killed through Ray is
-replaced. Crippled: without
-the lost node started again the replacement engine finds no place for its rank, and the run
-ends in error.
+replaced. Crippled (on the engine and cluster the two-node run ended with): without the lost
+node started again the replacement engine finds no place for its rank, and the run ends in
+error.
 
 Every process of the clusters and the engines listens on 127.0.0.1 only (crippled: a head
 started without Ray's local switch listens on the host's address too). One child process
@@ -92,12 +92,13 @@ def _run(tiny_model: str, tmp_path_factory, address: str) -> dict:
             {"name": "two_nodes", "recovery": True, "faults": TWO_NODE_FAULTS,
              "max_restarts": 2, "transports": True, "listening": True,
              "workload": {**RAY, "nodes": 2}},
-            {"name": "one_node", "recovery": True, "faults": ONE_NODE_FAULTS,
-             "max_restarts": 1, "transports": True,
-             "workload": {**RAY, "ray_address": address}},
+            # On the engine (and cluster) the two-node run ends with.
             {"name": "no_revive", "recovery": True, "cripple": "no_revive",
              "faults": [_fault("node_loss", 1, LOST_AT)], "max_restarts": 1,
              "workload": {**RAY, "nodes": 2}},
+            {"name": "one_node", "recovery": True, "faults": ONE_NODE_FAULTS,
+             "max_restarts": 1, "transports": True,
+             "workload": {**RAY, "ray_address": address}},
         ]}, timeout_s=850)
 
 

@@ -4,7 +4,7 @@ exactly: the finished text, and a stop string that straddles the kill.
 A resumed request's prompt ends with the tokens it had produced, so vLLM's own detokenizer of
 it starts after them: its text covers only what follows the resume, and it looks for stop
 strings only there. The front end feeds the original request's detokenizer the whole stream
-instead (``ftkit.vllm.workload._Shadow``). Each run is in a child process
+instead (``ftkit.vllm.workload._Shadow``). Every run is in one child process
 (``_feature_run.py``), on a TP 1 engine whose core runs in a process of its own (the kill's
 target), and is compared with a plain engine's run of the same workload.
 """
@@ -15,7 +15,7 @@ import pytest
 
 from ftkit.contracts.job import SamplingSpec
 
-from conftest import FEATURE_PROMPTS, PLAIN_RUNS, feature_run
+from conftest import ENGINE_STARTS, FEATURE_PROMPTS, PLAIN_RUNS, feature_run
 from conftest import RESUME_PROMPTS as PROMPTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -24,14 +24,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 KILL_AT = 14
 
 
-def _child(config: dict) -> dict:
-    return feature_run(config, timeout_s=540)
-
-
-@pytest.fixture(scope="module")
-def runs(tiny_model, baseline, tmp_path_factory):
-    base = {"model": tiny_model, "multiprocess": True, "prompts": PROMPTS,
-            "event_log_dir": str(tmp_path_factory.mktemp("events"))}
+def _stop_runs(tiny_model: str, baseline) -> tuple[list[dict], str]:
+    """The stop-string workload's runs, and its stop string."""
     # A stop string around the end of the text of request 1's first KILL_AT tokens: it is
     # completed by a token the resumed request produces. (The plain run: the session's
     # baseline engine, conftest.PLAIN_RUNS.)
@@ -45,11 +39,18 @@ def runs(tiny_model, baseline, tmp_path_factory):
     assert len(stop) == 4 and text.find(stop) == cut - 2, (text, cut)
     kill = {"kind": "process_kill", "rank": 0, "at": {"request": 1, "token": KILL_AT},
             "phase": "forward", "params": {"target": "engine"}}
-    resumed = {"recovery": True, "faults": [kill], "max_restarts": 1}
-    return _child({**base, "sampling": {"max_tokens": 30, "requests": [{}, {"stop": [stop]}]},
-                   "runs": [{"name": "baseline", "recovery": False},
-                            {"name": "resumed", **resumed},
-                            {"name": "crippled", **resumed, "cripple": "shadow"}]}), stop
+    workload = {"prompts": PROMPTS,
+                "sampling": {"max_tokens": 30, "requests": [{}, {"stop": [stop]}]}}
+    resumed = {"recovery": True, "faults": [kill], "max_restarts": 1, "workload": workload}
+    return [{"name": "baseline", "recovery": False, "workload": workload},
+            {"name": "resumed", **resumed},
+            {"name": "crippled", **resumed, "cripple": "shadow"}], stop
+
+
+@pytest.fixture(scope="module")
+def runs(both):
+    result, stop, _, _ = both
+    return result, stop
 
 
 def test_a_stop_string_straddling_the_kill_ends_the_request_where_it_would_have(runs):
@@ -101,12 +102,11 @@ def _bad_word_at_the_kill(tokenizer, tokens: list[int]) -> tuple[int, str]:
     raise AssertionError(f"no two tokens of {tokens} make a bad word")
 
 
-@pytest.fixture(scope="module")
-def feature_runs(tiny_model, baseline, tmp_path_factory):
+def _feature_runs(tiny_model: str, baseline) -> tuple[list[dict], list[dict], int]:
+    """The features' workload's runs, its fault-free run without the bad word and the kill's
+    position."""
     from transformers import AutoTokenizer
 
-    base = {"model": tiny_model, "multiprocess": True, "prompts": FEATURE_PROMPTS,
-            "event_log_dir": str(tmp_path_factory.mktemp("events"))}
     requests = [{}, dict(PENALTIES), dict(SAMPLES)]
     sampling = {"max_tokens": FEATURE_TOKENS, "requests": requests}
     # The plain run of this workload (the session's baseline engine, conftest.PLAIN_RUNS).
@@ -118,14 +118,35 @@ def feature_runs(tiny_model, baseline, tmp_path_factory):
     requests[0] = {"bad_words": [word]}
     kill = {"kind": "process_kill", "rank": 0, "at": {"request": 0, "token": kill_at},
             "phase": "forward", "params": {"target": "engine"}}
-    resumed = {"recovery": True, "faults": [kill], "max_restarts": 1}
-    result = _child({**base, "sampling": sampling,
-                     "runs": [{"name": "baseline", "recovery": False},
-                              {"name": "resumed", **resumed},
-                              {"name": "no_earlier_outputs", **resumed,
-                               "cripple": "earlier_outputs"},
-                              {"name": "one_seed", **resumed, "cripple": "child_seed"}]})
-    return result, plain, kill_at
+    workload = {"prompts": FEATURE_PROMPTS, "sampling": sampling}
+    resumed = {"recovery": True, "faults": [kill], "max_restarts": 1, "workload": workload}
+    return [{"name": "features_baseline", "recovery": False, "workload": workload},
+            {"name": "features_resumed", **resumed},
+            {"name": "no_earlier_outputs", **resumed, "cripple": "earlier_outputs"},
+            {"name": "one_seed", **resumed, "cripple": "child_seed"}], plain, kill_at
+
+
+@pytest.fixture(scope="module")
+def both(tiny_model, baseline, tmp_path_factory):
+    """Both workloads' runs in one child: the plain runs first, on one plain engine, then
+    ftkit's, on one engine and the engines that replace it after each kill."""
+    stop_runs, stop = _stop_runs(tiny_model, baseline)
+    feature_runs, plain, kill_at = _feature_runs(tiny_model, baseline)
+    runs = stop_runs + feature_runs
+    result = feature_run({"model": tiny_model, "multiprocess": True,
+                          "event_log_dir": str(tmp_path_factory.mktemp("events")),
+                          "runs": [r for r in runs if not r["recovery"]]
+                          + [r for r in runs if r["recovery"]]}, timeout_s=540)
+    # One plain engine, one of ftkit's, and one more after each of the five kills.
+    assert result[ENGINE_STARTS] == 2 + 5
+    return result, stop, plain, kill_at
+
+
+@pytest.fixture(scope="module")
+def feature_runs(both):
+    result, _, plain, kill_at = both
+    renamed = {"features_baseline": "baseline", "features_resumed": "resumed"}
+    return {renamed.get(name, name): run for name, run in result.items()}, plain, kill_at
 
 
 def _by_key(run: dict) -> dict[tuple, dict]:

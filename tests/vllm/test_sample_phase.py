@@ -23,15 +23,12 @@ from ftkit.contracts.eventlog import RecoveryRound, only, read_events
 from ftkit.contracts.job import SamplingSpec
 from ftkit.contracts.plan import FaultPlan
 
-from conftest import PROMPTS, fault
+from conftest import PROMPTS, SAMPLE_WORKLOADS, fault
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "logprobs": 2,
-             "logit_bias": {"17": 1.5, "40": -2.0}}
-GREEDY = SamplingSpec(max_tokens=24, extra=PENALTIES)
-SEEDED = SamplingSpec(max_tokens=24, temperature=0.9, top_p=0.95, seed=77, extra=PENALTIES)
-WORKLOADS = {"greedy": GREEDY, "seeded": SEEDED}
+WORKLOADS = SAMPLE_WORKLOADS
+GREEDY = WORKLOADS["greedy"]
 #: (request, token) of the sampling faults below.
 AT = (1, 6)
 
@@ -52,10 +49,12 @@ def child(tiny_model: str, tmp_path: Path, sampling: SamplingSpec, cripple: str,
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model, tmp_path_factory) -> dict[str, dict]:
-    """The fault-free outputs of each workload on a plain vLLM engine."""
-    tmp = tmp_path_factory.mktemp("plain")
-    return {name: child(tiny_model, tmp, sampling, "plain") for name, sampling in WORKLOADS.items()}
+def plain(baseline) -> dict[str, dict]:
+    """The fault-free outputs of each workload on a plain vLLM engine: the session's
+    baseline engine (``conftest.PLAIN_RUNS``)."""
+    return {name: {key: [c[key] for c in baseline.plain_runs[f"sample_{name}"]]
+                   for key in ("tokens", "logprobs", "top_logprobs")}
+            for name in WORKLOADS}
 
 
 @pytest.fixture(scope="module")
