@@ -13,18 +13,24 @@ it likes.
 
 The floor per file is the number of test functions it defines; it applies to the files below
 the paths the run was given (a run of ``tests/unit`` has no floor, a run of ``tests`` has all).
+
+Every run ends with the number of vLLM engines it started, in any process below it: each
+engine's rank 0 notes its start (``ftkit.vllm.plugin.ENGINE_STARTS_FILE_ENV``).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import _tiers
+from ftkit.vllm.plugin import ENGINE_STARTS_FILE_ENV
 from _tiers import (  # noqa: F401 (hooks of the tiers, found here by pytest)
     pytest_addoption,
     pytest_collection_modifyitems,
@@ -39,6 +45,8 @@ REAL_ENGINE_DIRS = ("vllm", "multiprocess")
 CI_VALUES = ("1", "true", "yes")
 
 _HERE = Path(__file__).resolve().parent
+#: The file that counts this run's engine starts (``ENGINE_STARTS_FILE_ENV``), if it made one.
+_ENGINE_STARTS = pytest.StashKey[Path]()
 
 
 def ci_run() -> bool:
@@ -208,3 +216,27 @@ def pytest_configure(config: pytest.Config) -> None:
     _tiers.configure(config)
     if ci_run() and not config.option.collectonly:
         config.pluginmanager.register(CiGate(config), "ftkit-ci-gate")
+    if ENGINE_STARTS_FILE_ENV not in os.environ and not hasattr(config, "workerinput"):
+        # Every engine this run starts, in any process below it, adds a line (the plugin).
+        handle, path = tempfile.mkstemp(prefix="pytest-engine-starts-", suffix=".jsonl")
+        os.close(handle)
+        os.environ[ENGINE_STARTS_FILE_ENV] = path
+        config.stash[_ENGINE_STARTS] = Path(path)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    path = config.stash.get(_ENGINE_STARTS, None)
+    if path is None or not path.is_file():
+        return
+    starts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    wide = sum(1 for s in starts
+               if s["tensor_parallel_size"] * s["pipeline_parallel_size"] > 1)
+    terminalreporter.write_sep("=", f"{len(starts)} vLLM engine starts ({wide} of more than "
+                               f"one rank; offline and served, restarts included)")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(_ENGINE_STARTS, None)
+    if path is not None:
+        path.unlink(missing_ok=True)
+        os.environ.pop(ENGINE_STARTS_FILE_ENV, None)

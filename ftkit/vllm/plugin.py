@@ -21,9 +21,11 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from ftkit.config import CONFIG_KEY, RecoveryConfig
@@ -32,6 +34,11 @@ log = logging.getLogger("ftkit")
 
 #: Marks ftkit's wrappers (vLLM's own decorators already set ``__wrapped__``).
 WRAPPED_MARK = "__ftkit_wrapped__"
+#: A diagnostic: where set, the name of a file to which every vLLM engine started with ftkit
+#: installed appends one JSON line (from its rank 0 worker, once created), ftkit's recovery on
+#: or off: a count of the engine starts of a test suite (``tests/conftest.py`` prints its
+#: own) or of a benchmark.
+ENGINE_STARTS_FILE_ENV = "FTKIT_ENGINE_STARTS_FILE"
 
 
 def register() -> None:
@@ -54,10 +61,28 @@ def register() -> None:
     @functools.wraps(original)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         original(self, vllm_config, *args, **kwargs)
+        _note_engine_start(self, vllm_config)
         install(self, vllm_config)
 
     setattr(__init__, WRAPPED_MARK, True)
     worker_base.WorkerBase.__init__ = __init__
+
+
+def _note_engine_start(worker: Any, vllm_config: Any) -> None:
+    """Append this engine's line to ``ENGINE_STARTS_FILE_ENV``'s file, from rank 0."""
+    path = os.environ.get(ENGINE_STARTS_FILE_ENV)
+    if not path or getattr(worker, "rank", None) != 0:
+        return
+    parallel = vllm_config.parallel_config
+    line = json.dumps({"pid": os.getpid(), "time": time.time(),
+                       "tensor_parallel_size": parallel.tensor_parallel_size,
+                       "pipeline_parallel_size": parallel.pipeline_parallel_size,
+                       "recovery": recovery_settings(vllm_config) is not None})
+    try:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(line + "\n")
+    except OSError as exc:  # a diagnostic never stops an engine
+        log.warning("ftkit: could not note the engine start in %s: %s", path, exc)
 
 
 class _ToVllmHandlers(logging.Handler):

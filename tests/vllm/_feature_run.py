@@ -20,10 +20,10 @@ was left whole (``_Engines``), else an engine of its own; its cripples are undon
 
 Prints one ``RESULT <json>`` line: per run name, every completion's tokens, logprobs, finish
 and stop reason and text, the run's error, its engine restarts, the lost KV recomputed (per
-rank) and, for a single-process engine, what its scheduler did (``schedule``: the requests
-preempted, the tokens each request found in the prefix cache when it was first scheduled,
-and the steps that prefilled several requests); and under ``ENGINE_STARTS`` the number of
-engines started, restarts included.
+rank), its seconds (its engine's start included) and, for a single-process engine, what its
+scheduler did (``schedule``: the requests preempted, the tokens each request found in the
+prefix cache when it was first scheduled, and the steps that prefilled several requests); and
+under ``ENGINE_STARTS`` the number of engines started, restarts included.
 """
 
 import contextlib
@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -428,8 +429,10 @@ def run(config: dict, plan: dict, engines: _Engines, switches: _Switches | None)
     names = plan.get("cripple")
     names = [names] if isinstance(names, str) else list(names or ())
     undo = _cripple(names, switches)
+    started = time.monotonic()
     try:
         result = _run(config, spec, plan, engines)
+        result["seconds"] = round(time.monotonic() - started, 1)
     except BaseException:
         engines.close()
         raise
