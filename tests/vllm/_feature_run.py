@@ -257,12 +257,17 @@ class _Switches:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _cripple_names(plan: dict) -> list[str]:
+    """The cripples of a run: its ``cripple``, one name, a list of them or none."""
+    cripple = plan.get("cripple")
+    return [cripple] if isinstance(cripple, str) else list(cripple or ())
+
+
 def _everywhere_in(config: dict) -> list[str]:
     """The ``EVERYWHERE`` cripples of any run of ``config``."""
     names = []
     for plan in config["runs"]:
-        cripple = plan.get("cripple")
-        for name in [cripple] if isinstance(cripple, str) else list(cripple or ()):
+        for name in _cripple_names(plan):
             if name in EVERYWHERE and name not in names:
                 names.append(name)
     return names
@@ -396,7 +401,6 @@ class _Engines:
         self.key: str | None = None
         self.whole = False
         self.starts = 0
-        self._restarts_seen = 0
 
     def get(self, key: str, make: Callable[[], EngineSession], fresh: bool) -> EngineSession:
         if self.session is not None and key == self.key and self.whole and not fresh \
@@ -426,8 +430,7 @@ def run(config: dict, plan: dict, engines: _Engines, switches: _Switches | None)
                       tensor_parallel_size=config.get("tensor_parallel_size", 1),
                       nodes=config.get("nodes", 1), ray_address=config.get("ray_address"))
     config.setdefault("multiprocess", None)
-    names = plan.get("cripple")
-    names = [names] if isinstance(names, str) else list(names or ())
+    names = _cripple_names(plan)
     undo = _cripple(names, switches)
     started = time.monotonic()
     try:
