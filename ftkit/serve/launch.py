@@ -52,6 +52,7 @@ import yaml
 from ftkit.bounds import VLLM_EXECUTE_TIMEOUT_ENV
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.errors import FtkitError
+from ftkit.procs import QUICK_EXIT_ENV
 from ftkit.model.moe import is_moe_model
 from ftkit.serve.control import MIN_SECRET_CHARS, SECRET_ENV
 from ftkit.vllm.environment import (CPU_ENGINE_ENV, ENGINE_ENV, THREADS_BIND_ENV,
@@ -535,6 +536,8 @@ def _engine_env(env: dict[str, str], recovery: RecoveryConfig | None, tp: int,
         if timeout is not None and timeout.short:
             set_here[VLLM_EXECUTE_TIMEOUT_ENV] = str(timeout.seconds)
     set_here.update({k: v for k, v in collective.items() if k not in env})
+    if QUICK_EXIT_ENV not in env:
+        set_here[QUICK_EXIT_ENV] = "1"  # the engine's spawned processes end without teardown
     env.update(set_here)
     if not set_here:
         return []

@@ -25,6 +25,7 @@ from typing import Any
 
 import psutil
 
+from ftkit.procs import QUICK_EXIT_ENV
 from ftkit.bounds import VLLM_EXECUTE_TIMEOUT_ENV, StepBound, vllm_execute_timeout_s
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.scenario.model import EngineSpec
@@ -258,7 +259,7 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
 
     wanted = engine_env(current_device_type())
     saved = {k: os.environ.get(k) for k in [*wanted, "VLLM_ENABLE_V1_MULTIPROCESSING",
-                                             THREADS_BIND_ENV, "TMPDIR",
+                                             THREADS_BIND_ENV, "TMPDIR", QUICK_EXIT_ENV,
                                              "TORCHINDUCTOR_CACHE_DIR",
                                              VLLM_EXECUTE_TIMEOUT_ENV]}
     saved_tempdir = tempfile.tempdir
@@ -268,6 +269,7 @@ def engine_environment(tp: int, multiprocess: bool, tmp_dir: str | None = None,
         tempfile.tempdir = tmp_dir  # an in-process engine's executor, in this process
     os.environ.update({k: v for k, v in wanted.items() if k not in os.environ})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    os.environ.setdefault(QUICK_EXIT_ENV, "1")  # its spawned processes end without teardown
     me = psutil.Process()
     affinity = me.cpu_affinity()
     if tp > 1:

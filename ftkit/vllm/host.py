@@ -190,4 +190,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    procs.exit_quickly(main())  # the heap of vLLM's modules is not torn down (2 s)

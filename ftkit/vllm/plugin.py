@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any
 
+from ftkit import procs
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 
 log = logging.getLogger("ftkit")
@@ -50,6 +51,7 @@ def register() -> None:
     from vllm.v1.worker import worker_base
 
     _log_like_vllm()
+    procs.quick_exit_of_spawned_process()
     _hide_key_from_vllm_ascend()
     _raise_execute_timeout_as_executors_start()
     _restart_dead_engines_in_servers()
