@@ -6,7 +6,9 @@ multi-process executor: tokens and logprobs.
 On two nodes (one rank each) a link flap, a device reset and a KV memory error are recovered
 in place across the nodes; then the worker node is lost (every process of it killed) and,
 last, the head node: each time the engine is replaced (the lost node started again first,
-the whole cluster for the head) and every request resumed. The ranks' collectives take the
+the whole cluster for the head) and every request resumed. The head's loss (the whole
+cluster and engine started again, about 45 s) is in the exhaustive tier: the run includes it
+when its test is selected. The ranks' collectives take the
 gloo path, never shared memory: they are on two nodes. On one node, a running cluster the
 engine joins by its address (``engine.ray_address``; the test starts it), the same link flap
 is recovered with shared memory between the ranks, and a Ray worker killed through Ray is
@@ -51,8 +53,9 @@ def _fault(kind: str, rank: int, token: int, phase: str = "forward", times: int 
 TWO_NODE_FAULTS = [_fault("link_flap", 1, 3, times=2),
                    _fault("device_reset", 0, 7),
                    _fault("uce", 1, 11, "before", region="kv"),
-                   _fault("node_loss", 1, 18),
-                   _fault("node_loss", 0, 30)]
+                   _fault("node_loss", 1, 18)]
+#: Last, the head's loss (with ``test_the_loss_of_the_head_restarts_the_whole_cluster``).
+HEAD_LOSS = _fault("node_loss", 0, 30)
 #: On one node: shared memory between the ranks, and a Ray worker killed through Ray.
 ONE_NODE_FAULTS = [_fault("link_flap", 1, 3, times=2), _fault("ray_worker_kill", 1, 12)]
 LOST_AT = 10
@@ -73,23 +76,27 @@ def _segments() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model: str, tmp_path_factory) -> dict:
+def results(tiny_model: str, tmp_path_factory, request) -> dict:
     assert not _ray_processes(), "Ray processes run before the test"
     segments = _segments()
+    head = any(item.originalname == "test_the_loss_of_the_head_restarts_the_whole_cluster"
+               for item in request.session.items)
     with RayCluster(nodes=1, ranks_per_node=2) as joined:
-        out = _run(tiny_model, tmp_path_factory, joined.address)
+        out = _run(tiny_model, tmp_path_factory, joined.address, head)
         out["joined_listening"] = joined.listening()
     out["left"] = {"ray": _ray_processes(), "segments": sorted(_segments() - segments)}
+    out["head_lost"] = head
     return out
 
 
-def _run(tiny_model: str, tmp_path_factory, address: str) -> dict:
+def _run(tiny_model: str, tmp_path_factory, address: str, head: bool) -> dict:
     return feature_run({
         "model": tiny_model, "prompts": PROMPTS, "sampling": SAMPLING,
         "event_log_dir": str(tmp_path_factory.mktemp("ray-events")),
         "runs": [
             {"name": "plain", "recovery": False, "workload": TP2},
-            {"name": "two_nodes", "recovery": True, "faults": TWO_NODE_FAULTS,
+            {"name": "two_nodes", "recovery": True,
+             "faults": TWO_NODE_FAULTS + ([HEAD_LOSS] if head else []),
              "max_restarts": 2, "transports": True, "listening": True,
              "workload": {**RAY, "nodes": 2}},
             # On the engine (and cluster) the two-node run ends with.
@@ -111,9 +118,18 @@ def test_the_oracle_is_complete(results):
 def test_faults_and_deaths_across_two_ray_nodes_are_recovered_exactly(results):
     run = results["two_nodes"]
     assert run["error"] is None
-    assert run["restarts"] == 2  # the lost worker node, the lost head
+    assert run["restarts"] == 1 + results["head_lost"]  # the lost worker node (and head)
     assert streams(run) == streams(results["plain"])
     assert {e["rank"] for e in run["kv"]} == {0, 1}  # the KV error, repaired on both ranks
+
+
+@pytest.mark.exhaustive  # a node's loss, and its replacement, in the fast tier
+def test_the_loss_of_the_head_restarts_the_whole_cluster(results):
+    run = results["two_nodes"]
+    assert results["head_lost"]
+    assert run["error"] is None
+    assert run["restarts"] == 2  # the lost worker node, then the lost head
+    assert streams(run) == streams(results["plain"])
 
 
 def test_ranks_on_two_nodes_share_no_memory(results):
@@ -144,8 +160,9 @@ def test_without_the_lost_node_started_again_the_engine_cannot_be_replaced(resul
 
 
 def test_every_process_of_the_clusters_and_engines_listens_on_127_0_0_1_only(results):
-    # The two-node run, after its second replacement (the whole cluster started again): its
-    # nodes' processes, the engine core (Ray's driver) and the ranks (Ray actors).
+    # The two-node run, after its last replacement (the whole cluster started again where
+    # the head was lost): its nodes' processes, the engine core (Ray's driver) and the ranks
+    # (Ray actors).
     listening = results["two_nodes"]["listening"]
     names = {name for _, _, name in listening}
     assert {"gcs_server", "raylet"} <= names and any("ray::" in n for n in names), listening
