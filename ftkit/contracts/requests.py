@@ -9,8 +9,9 @@ internally, and gives each completion of a request with ``n > 1`` a child reques
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 REQUEST_ID = "ftkit:{run_id}:{index}"
@@ -57,26 +58,67 @@ def request_matcher(run_id: str, index: int) -> Callable[[str], bool]:
     return matches
 
 
-#: The prefix vLLM's OpenAI server gives the id of a client's request (``cmpl-``,
-#: ``chatcmpl-``), and the child prefix of one completion of a request with ``n > 1``.
-_SERVED_PREFIX_RE = re.compile(r"^(?:\d+_)?[A-Za-z]+-")
+#: vLLM's OpenAI server names the engine request of a client's request from its
+#: ``X-Request-Id`` (or a random id): ``cmpl-<id>-<prompt>`` for the completions API (one per
+#: prompt of the request), ``chatcmpl-<id>`` for the chat API (which renders one prompt). A
+#: request resumed by a restarted engine (``ftkit.vllm.restart``) has ``+ftkit<offset>``
+#: appended; then the engine appends ``-<8 hex>`` (unless vLLM's
+#: ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set), and a completion of a request with
+#: ``n > 1`` gets ``<sample>_`` in front.
+_SERVED_ID = (r"^(?:(?P<sample>\d+)_)?(?P<api>cmpl|chatcmpl)-(?P<body>.+?)"
+              r"(?:\+ftkit(?P<offset>\d+))?{suffix}$")
+#: Ids with the engine's random suffix, and without (randomization off).
+_SERVED_ID_RE = {True: re.compile(_SERVED_ID.format(suffix="-[0-9a-f]{8}")),
+                 False: re.compile(_SERVED_ID.format(suffix=""))}
+_COMPLETION_BODY_RE = re.compile(r"^(?P<client>.+)-(?P<prompt>\d+)$")
+_RANDOMIZATION_OFF_ENV = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
+
+
+class ServedRequestRef(NamedTuple):
+    """What the engine id of a served request says (``parse_served_request_id``)."""
+
+    #: ``completions`` or ``chat``.
+    api: str
+    #: The client's ``X-Request-Id`` (or the id the server drew for it).
+    client_id: str
+    #: The prompt's index in a completions request (0 for chat).
+    prompt: int = 0
+    #: The completion, for a child request of a request with ``n > 1`` (0 otherwise).
+    sample: int = 0
+    #: Output tokens the request had produced before it was resumed (0: not resumed).
+    offset: int = 0
+
+
+def _randomized(environ: Mapping[str, str]) -> bool:
+    return environ.get(_RANDOMIZATION_OFF_ENV, "0").strip().lower() in ("", "0", "false")
+
+
+def parse_served_request_id(engine_id: str, environ: Mapping[str, str] = os.environ
+                            ) -> ServedRequestRef | None:
+    """The parts of ``engine_id``, the id a vLLM server's engine uses for a request of the
+    completions or chat API (fresh or resumed, any completion of ``n > 1``); ``None`` for
+    any other id. The one parser every matcher of served requests uses."""
+    m = _SERVED_ID_RE[_randomized(environ)].match(engine_id)
+    if m is None:
+        return None
+    body = m.group("body")
+    if m.group("api") == "chatcmpl":
+        api, client, prompt = "chat", body, 0
+    else:
+        parts = _COMPLETION_BODY_RE.match(body)
+        if parts is None:
+            return None
+        api, client, prompt = "completions", parts.group("client"), int(parts.group("prompt"))
+    return ServedRequestRef(api, client, prompt, int(m.group("sample") or 0),
+                            int(m.group("offset") or 0))
 
 
 def served_request_matches(engine_id: str, client_id: str) -> bool:
     """Whether ``engine_id``, the id a vLLM server's engine uses for a request, is that of the
-    request a client sent with ``X-Request-Id: client_id``. The server builds it as
-    ``cmpl-<client_id>-<prompt>`` (completions) or ``chatcmpl-<client_id>`` (chat), then the
-    engine appends ``-<8 hex>``; a completion of ``n > 1`` adds ``<sample>_`` in front."""
-    m = _SERVED_PREFIX_RE.match(engine_id)
-    if m is None:
-        return False
-    rest = engine_id[m.end():]
-    return rest.startswith(client_id + "-")
-
-
-#: A served request resumed by a restarted engine (``ftkit.vllm.restart``) has the id of the
-#: original with ``+ftkit<offset>`` appended (then vLLM's own ``-<8 hex>``).
-_SERVED_RESUMED_RE = re.compile(r"\+ftkit(?P<offset>\d+)(?:-[0-9a-fA-F]+)?$")
+    request a client sent with ``X-Request-Id: client_id`` (exactly that id: ``user`` is not
+    ``user-2``), fresh or resumed, any of its completions."""
+    ref = parse_served_request_id(engine_id)
+    return ref is not None and ref.client_id == client_id
 
 
 def served_resume_id(engine_id: str, offset: int) -> str:
@@ -92,5 +134,5 @@ def resumed_offset(req_id: str) -> int:
     ref = parse_request_id(req_id)
     if ref is not None:
         return ref.offset
-    m = _SERVED_RESUMED_RE.search(req_id)
-    return int(m.group("offset")) if m else 0
+    served = parse_served_request_id(req_id)
+    return served.offset if served is not None else 0

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from ftkit.contracts.plan import FaultPlan, PlannedFault
-from ftkit.contracts.requests import served_request_matches
+from ftkit.contracts.requests import (ServedRequestRef, parse_served_request_id, resumed_offset,
+                                     served_request_matches)
 from ftkit.contracts.step import RpcKind
 from ftkit.errors import FtkitError, InjectionError
 from ftkit.serve import control
@@ -154,13 +155,43 @@ def test_a_uce_outside_the_kv_cache_may_be_planned_steps_ahead():
     ("chatcmpl-client-7-1a2b3c4d", "client-7", True),
     ("1_cmpl-client-7-0-1a2b3c4d", "client-7", True),  # a completion of n > 1
     ("cmpl-client-70-0-1a2b3c4d", "client-7", False),
-    ("cmpl-other-client-7-0-1a2b", "client-7", False),
+    ("cmpl-other-client-7-0-1a2b3c4d", "client-7", False),
     ("ftkit:r1:0-1a2b3c4d", "r1", False),
     ("client-7-0", "client-7", False),
+    # Resumed by a restarted engine: chat and completions alike, any completion.
+    ("chatcmpl-client-7+ftkit4-0a1b2c3d", "client-7", True),
+    ("cmpl-client-7-0+ftkit4-0a1b2c3d", "client-7", True),
+    ("2_cmpl-client-7-0+ftkit4-0a1b2c3d", "client-7", True),
+    # Exactly the id named: not another id it is a prefix of, chat or completions.
+    ("cmpl-user-2-0-0a1b2c3d", "user", False),
+    ("chatcmpl-user-2-0a1b2c3d", "user", False),
+    ("chatcmpl-user-2+ftkit3-0a1b2c3d", "user", False),
+    ("cmpl-user-0-0a1b2c3d", "user", True),
 ])
 def test_a_clients_request_is_known_by_the_id_the_server_gives_it(engine_id, client_id,
                                                                    matches):
     assert served_request_matches(engine_id, client_id) is matches
+
+
+@pytest.mark.parametrize(("engine_id", "ref"), [
+    ("cmpl-a-b-3-0a1b2c3d", ServedRequestRef("completions", "a-b", prompt=3)),
+    ("1_chatcmpl-a_b+ftkit12-0a1b2c3d", ServedRequestRef("chat", "a_b", sample=1, offset=12)),
+    ("chatcmpl-a+ftkit3+ftkit5-0a1b2c3d", ServedRequestRef("chat", "a+ftkit3", offset=5)),
+    ("cmpl-a-0", None),  # no engine suffix: not an engine's id
+    ("resp-a-0a1b2c3d", None),  # an API whose ids ftkit does not read
+])
+def test_one_parser_reads_every_served_id(engine_id, ref):
+    assert parse_served_request_id(engine_id) == ref
+    assert resumed_offset(engine_id) == (ref.offset if ref else 0)
+
+
+def test_served_ids_without_the_engines_suffix_when_vllm_is_told_so():
+    off = {"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}
+    # With randomization off, what looks like a suffix belongs to the client's id.
+    assert parse_served_request_id("chatcmpl-user-deadbeef", off) == \
+        ServedRequestRef("chat", "user-deadbeef")
+    assert parse_served_request_id("cmpl-user-0", off) == ServedRequestRef("completions", "user")
+    assert parse_served_request_id("cmpl-user-0-0a1b2c3d", off) is None  # no prompt index
 
 
 # --- the injector's live faults --------------------------------------------------------------
@@ -180,10 +211,10 @@ def test_a_live_fault_for_a_client_request_fires_at_its_token_and_keeps_the_othe
     inj = injector()
     inj.add_live(live_plan(0, key="c-1", token=3))
     inj.add_live(live_plan(1, after=100))
-    step(inj, 1, {"cmpl-c-1-0-abcd": 2, "cmpl-c-2-0-abcd": 3})
+    step(inj, 1, {"cmpl-c-1-0-abcd0123": 2, "cmpl-c-2-0-abcd0123": 3})
     assert fired(inj) == []
     with pytest.raises(Exception, match="out of memory"):
-        step(inj, 2, {"cmpl-c-1-0-abcd": 3})
+        step(inj, 2, {"cmpl-c-1-0-abcd0123": 3})
         inj.forward_hook()
     assert [(e.index, e.step) for e in fired(inj)] == [(0, 2)]
     assert [f.planned.index for f in inj.faults] == [0, 1]  # the steps-ahead one still waits
@@ -195,10 +226,10 @@ def test_a_live_fault_on_a_resumed_request_counts_the_tokens_it_had():
     planned for token 15 would fire 12 tokens late)."""
     inj = injector()
     inj.add_live(live_plan(0, key="c-1", token=15))
-    step(inj, 1, {"cmpl-c-1-0-abcd+ftkit12-ef01": 2})
+    step(inj, 1, {"cmpl-c-1-0+ftkit12-ef012345": 2})
     assert fired(inj) == []
     with pytest.raises(Exception, match="out of memory"):
-        step(inj, 2, {"cmpl-c-1-0-abcd+ftkit12-ef01": 3})
+        step(inj, 2, {"cmpl-c-1-0+ftkit12-ef012345": 3})
         inj.forward_hook()
     assert [(e.index, e.step) for e in fired(inj)] == [(0, 2)]
 
