@@ -21,6 +21,11 @@ from ftkit.errors import FtkitError
 
 #: The ``additional_config`` key that holds ftkit's settings.
 CONFIG_KEY = "fault_tolerance"
+#: The environment variable that holds a server's injection secret (``ftkit.serve.control``):
+#: the route checks it, and so does every worker that has it in its environment, so that
+#: nothing plans a fault without it (vLLM's ``/collective_rpc`` under
+#: ``VLLM_SERVER_DEV_MODE=1`` reaches the workers' methods directly).
+INJECT_SECRET_ENV = "FTKIT_INJECT_SECRET"
 #: Old names of settings, still accepted (with a warning) under their new name.
 _RENAMED = {"journal_dir": "event_log_dir"}
 
@@ -92,6 +97,15 @@ class RecoveryConfig:
             raise FtkitError(f"{CONFIG_KEY}.max_restarts must be an integer >= 0")
         if not isinstance(cfg.standby, bool):
             raise FtkitError(f"{CONFIG_KEY}.standby must be true or false")
+        if not cfg.enabled:
+            needs = [name for name in ("injection", "max_restarts", "standby")
+                     if getattr(cfg, name)]
+            if needs:
+                keys = " and ".join(f"{CONFIG_KEY}.{name}" for name in needs)
+                raise FtkitError(f"{keys} need{'s' if len(needs) == 1 else ''} "
+                                 f"{CONFIG_KEY}.enabled: true (recovery is off, and they are "
+                                 f"parts of it): turn recovery on, or remove "
+                                 f"{'it' if len(needs) == 1 else 'them'}")
         if cfg.standby and not cfg.max_restarts:
             raise FtkitError(f"{CONFIG_KEY}.standby needs max_restarts >= 1 (the standby "
                              f"engine takes over from one that died)")

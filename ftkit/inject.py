@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.contracts.eventlog import EventLog, FaultFired, StepRecovered
+from ftkit.contracts.eventlog import EventLog, FaultFired, FaultSkipped, StepRecovered
 from ftkit.contracts.plan import FaultPlan, PlannedFault
 # Request ids belong to the contract between the runner and the workers; re-exported here.
 from ftkit.contracts.requests import (  # noqa: F401
@@ -189,7 +189,24 @@ class Injector:
         if armed is not None and armed[1].phase == phase:
             self._armed = None
             fault, firing = armed
+            self._act(fault, firing)
+
+    def _act(self, fault: _Pending, firing: Firing) -> None:
+        """Let ``fault`` act. A live fault that cannot act here (an ``InjectionError`` of its
+        kind's, such as a request that holds no KV block) is skipped, never the engine's end:
+        the server took it through its route, and its clients' requests run on."""
+        try:
             fault.spec.injection.act(firing, self._site)
+        except InjectionError as exc:
+            if not fault.planned.live:
+                raise
+            fault.fired = fault.times  # no attempt of it is left
+            log.error("ftkit: live fault %d (%s) could not act at step %d on rank %d, and is "
+                      "skipped: %s", fault.planned.index, fault.kind, firing.step, self.rank,
+                      exc)
+            self.events.emit(FaultSkipped(index=fault.planned.index, kind=fault.kind.value,
+                                          step=firing.step, phase=fault.phase,
+                                          reason=str(exc)))
 
     def _target(self, step: int, scheduler_output: Any) -> None:
         indices: dict[int, int] | None = None
@@ -237,5 +254,6 @@ class Injector:
         if injection.arm(firing, self._site):
             return  # the fault acts by itself (a broken link makes a collective raise)
         if fault.phase == "before":
-            injection.act(firing, self._site)
+            self._act(fault, firing)
+            return
         self._armed = (fault, firing)

@@ -47,13 +47,16 @@ def _rank(value: str) -> int | str:
                    "next step).")
 @click.option("--secret", default=None, help="The server's secret (default: the environment "
                                              "variable FTKIT_INJECT_SECRET).")
+@click.option("--id", "plan_id", default=None, metavar="ID",
+              help="A name for this call: the same call repeated with the same id (after a "
+                   "timeout, say) plans nothing more and prints what the first planned.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=90.0,
               show_default=True, help="Seconds to wait for the server's answer.")
 @click.option("--json", "as_json", is_flag=True, help="Print the server's answer as JSON.")
 def inject_command(url: str, kind: str, rank: str, times: int, phase: str,
                    params: str | None, request_id: str | None, token: int | None,
-                   after_steps: int | None, secret: str | None, timeout_s: float,
-                   as_json: bool) -> None:
+                   after_steps: int | None, secret: str | None, plan_id: str | None,
+                   timeout_s: float, as_json: bool) -> None:
     """Plan a fault in a running vLLM server.
 
     The server must load ftkit's plugin (`ftkit serve`, or VLLM_PLUGINS naming ftkit), say
@@ -88,22 +91,27 @@ def inject_command(url: str, kind: str, rank: str, times: int, phase: str,
         fault.update(request_id=request_id, token=token)
     else:
         fault["after_steps"] = after_steps
+    if plan_id is not None:
+        fault["id"] = plan_id
     secret = secret if secret is not None else os.environ.get(INJECT_SECRET_ENV)
     try:
         answer = inject_live_fault(url, fault, secret, timeout_s)
     except InjectRefused as exc:
         print_error(err, f"the server refused the fault (HTTP {exc.status}): {exc}")
-        raise click.exceptions.Exit(EXIT_USAGE if exc.status == 400 else EXIT_FAILED) from None
+        bad_fault = exc.status in (400, 422)
+        raise click.exceptions.Exit(EXIT_USAGE if bad_fault else EXIT_FAILED) from None
     except FtkitError as exc:
         print_error(err, str(exc))
         raise click.exceptions.Exit(EXIT_FAILED) from None
     if as_json:
         click.echo(json.dumps(answer, indent=2))
         return
-    planned = answer.get("planned", {})
+    planned = answer["planned"]  # its shape is checked by inject_live_fault
     where = (f"request {planned.get('request_id')!r}, token {planned.get('token')}"
              if "request_id" in planned else f"{planned.get('after_steps')} step(s) after the "
                                               f"next")
     click.echo(f"planned fault {planned.get('index')}: {planned.get('kind')} on rank "
                f"{planned.get('rank')}, {planned.get('phase')} phase, {where}, "
-               f"{planned.get('times')} attempt(s)")
+               f"{planned.get('times')} attempt(s)"
+               + (" (planned already, by the first call with this id)"
+                  if answer.get("repeated") else ""))

@@ -9,6 +9,8 @@ restart, the pytest plugin, the benchmarks).
 The events, one class each::
 
     FaultFired       the injector fired a planned fault (written before the fault acts)
+    FaultSkipped     a live fault (planned in a server) that could not act where it fired:
+                     skipped, the engine serves on
     StepRecovered    a step that failed returned on its re-run
     RecoveryRound    this rank's part of one recovery round: its status and the decision
     KvRecomputed     lost KV was recomputed before a re-run
@@ -85,6 +87,19 @@ class FaultFired(Event):
     #: Which failing attempt of the step this firing is (1 for the first).
     attempt: int
     pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSkipped(Event):
+    """A live fault fired (``FaultFired``) and could not act there (its kind's injection
+    said why): it is skipped, no attempt of it is left, and the step runs on unharmed."""
+
+    NAME: ClassVar[str] = "fault_skipped"
+    index: int
+    kind: str
+    step: int
+    phase: str
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,8 +198,8 @@ class RequestResumed(Event):
 SERVER_RANK = -1
 
 _BY_NAME: dict[str, type[Event]] = {
-    cls.NAME: cls for cls in (FaultFired, StepRecovered, RecoveryRound, KvRecomputed,
-                              ParamsReloaded, EngineReplaced, RequestResumed)
+    cls.NAME: cls for cls in (FaultFired, FaultSkipped, StepRecovered, RecoveryRound,
+                              KvRecomputed, ParamsReloaded, EngineReplaced, RequestResumed)
 }
 
 E = TypeVar("E", bound=Event)

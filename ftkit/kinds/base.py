@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from ftkit.backends.base import MemoryFault
-    from ftkit.scenario.model import FaultSpec, Scenario
+    from ftkit.scenario.model import EngineSpec, FaultSpec
 
 # --- params ---------------------------------------------------------------------------------
 
@@ -52,10 +52,11 @@ class NoParams(Params):
 Loc = tuple[Union[str, int], ...]
 #: A broken rule: the field to change, and why.
 Problem = tuple[Loc, str]
-#: A kind's semantic rule: ``rule(at, fault, params, scenario)`` where ``at`` is the fault's
-#: own path (``("faults", i)``) and ``params`` its parsed params, or ``None`` when they are
-#: invalid (the params' problems are reported already).
-Rule = Callable[[Loc, "FaultSpec", Any, "Scenario"], list[Problem]]
+#: A kind's semantic rule: ``rule(at, fault, params, engine)`` where ``at`` is the fault's
+#: own path (``("faults", i)``), ``params`` its parsed params, or ``None`` when they are
+#: invalid (the params' problems are reported already), and ``engine`` the engine it is
+#: injected in: a scenario's, or a live server's (``ftkit.serve.control``).
+Rule = Callable[[Loc, "FaultSpec", Any, "EngineSpec"], list[Problem]]
 
 # --- injection ------------------------------------------------------------------------------
 

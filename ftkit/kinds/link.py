@@ -28,18 +28,18 @@ from ftkit.kinds.base import (
 )
 
 if TYPE_CHECKING:
-    from ftkit.scenario.model import FaultSpec, Scenario
+    from ftkit.scenario.model import EngineSpec, FaultSpec
 
 
-def needs_a_peer(at: Loc, fault: FaultSpec, params: Any, scenario: Scenario) -> list[Problem]:
-    if scenario.engine.world_size < 2:
+def needs_a_peer(at: Loc, fault: FaultSpec, params: Any, engine: EngineSpec) -> list[Problem]:
+    if engine.world_size < 2:
         return [(at + ("kind",), f"link faults need a peer: tensor_parallel_size or "
                                  f"pipeline_parallel_size >= 2 (engine.tensor_parallel_size "
-                                 f"is {scenario.engine.tensor_parallel_size})")]
+                                 f"is {engine.tensor_parallel_size})")]
     return []
 
 
-def a_flap_repeats(at: Loc, fault: FaultSpec, params: Any, scenario: Scenario) -> list[Problem]:
+def a_flap_repeats(at: Loc, fault: FaultSpec, params: Any, engine: EngineSpec) -> list[Problem]:
     if fault.times < 2:
         return [(at + ("times",), "a flap repeats: times must be at least 2")]
     return []

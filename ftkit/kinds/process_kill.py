@@ -34,7 +34,7 @@ from ftkit.kinds.base import (
 )
 
 if TYPE_CHECKING:
-    from ftkit.scenario.model import FaultSpec, Scenario
+    from ftkit.scenario.model import EngineSpec, FaultSpec
 
 log = logging.getLogger("ftkit")
 
@@ -47,7 +47,7 @@ class ProcessKillParams(Params):
                             "SIGKILL the engine core process")
 
 
-def killed_once(at: Loc, fault: FaultSpec, params: Any, scenario: Scenario) -> list[Problem]:
+def killed_once(at: Loc, fault: FaultSpec, params: Any, engine: EngineSpec) -> list[Problem]:
     if fault.times != 1:
         return [(at + ("times",), "a killed process fails no further attempt: times must "
                                   "be 1 (add another fault to kill it again)")]

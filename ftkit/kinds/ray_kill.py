@@ -45,7 +45,7 @@ from ftkit.kinds.base import (
 from ftkit.kinds.process_kill import await_own_end, killed_once
 
 if TYPE_CHECKING:
-    from ftkit.scenario.model import FaultSpec, Scenario
+    from ftkit.scenario.model import EngineSpec, FaultSpec
 
 log = logging.getLogger("ftkit")
 
@@ -54,8 +54,8 @@ class RayKillParams(Params):
     """``ray_worker_kill`` and ``node_loss`` take no params."""
 
 
-def on_ray(at: Loc, fault: FaultSpec, params: Any, scenario: Scenario) -> list[Problem]:
-    if not scenario.engine.uses_ray:
+def on_ray(at: Loc, fault: FaultSpec, params: Any, engine: EngineSpec) -> list[Problem]:
+    if not engine.uses_ray:
         return [(at + ("kind",), f"{fault.kind} needs vLLM's Ray executor: add "
                                  f"`distributed_executor_backend: ray` to engine.args")]
     return []

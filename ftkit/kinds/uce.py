@@ -37,7 +37,7 @@ from ftkit.kinds.base import (
 if TYPE_CHECKING:
     import torch
 
-    from ftkit.scenario.model import FaultSpec, Scenario
+    from ftkit.scenario.model import EngineSpec, FaultSpec
 
 
 class UceParams(Params):
@@ -54,7 +54,7 @@ class UceParams(Params):
 
 # --- rules ----------------------------------------------------------------------------------
 
-def kv_after_prefill(at: Loc, fault: FaultSpec, params: Any, scenario: Scenario
+def kv_after_prefill(at: Loc, fault: FaultSpec, params: Any, engine: EngineSpec
                      ) -> list[Problem]:
     if (params is not None and params.region == "kv" and fault.phase == "before"
             and fault.at.token == 0):

@@ -27,7 +27,12 @@ from ftkit.errors import FtkitError
 TINY = "tiny"
 
 #: Bump when anything below changes what is written: it is part of the cache key.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+
+#: The chat template of the tokenizer (vLLM's chat API needs one): each message as
+#: ``role: content`` on a line of its own, then ``assistant:`` for the answer.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -85,6 +90,7 @@ def recipe_digest() -> str:
         "std": WEIGHT_STD,
         "seed": WEIGHT_SEED,
         "corpus": _CORPUS_WORDS,
+        "chat_template": CHAT_TEMPLATE,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -121,6 +127,7 @@ def _build_tokenizer(out: Path) -> int:
                 "unk_token": "<unk>",
                 "model_max_length": CONFIG["max_position_embeddings"],
                 "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
                 "clean_up_tokenization_spaces": False,
             },
             indent=2,

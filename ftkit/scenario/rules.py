@@ -35,7 +35,7 @@ from ftkit.scenario.errors import Loc, format_loc, parse_field
 from ftkit.scenario.params import params_model, parse_params
 
 if TYPE_CHECKING:
-    from ftkit.scenario.model import FaultSpec, Scenario, WorkloadSpec
+    from ftkit.scenario.model import EngineSpec, FaultSpec, Scenario, WorkloadSpec
 
 Problem = tuple[Loc, str]
 
@@ -136,13 +136,7 @@ def _where_set(workload: WorkloadSpec, index: int, name: str | None) -> Loc:
 def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Problem]:
     found: list[Problem] = []
     engine = scenario.engine
-    world_size = engine.ranks
     n_requests = scenario.workload.prompt_count()
-    spec = kind_spec(fault.kind)
-
-    # A scenario must never look as if it tested a fault that the injector would skip.
-    if not spec.implemented:
-        found.append((at + ("kind",), f"fault kind '{fault.kind}' is not implemented yet"))
     replicas = engine.replicas
     if replicas > 1 and fault.rank != "all":
         found.append((at + ("rank",), f"with {replicas} data-parallel replicas the server's "
@@ -151,11 +145,33 @@ def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
                                       f"meet its request: give rank all (the fault fires on "
                                       f"the ranks of the replica that serves request "
                                       f"{fault.at.request} only)"))
-    elif isinstance(fault.rank, int) and fault.rank >= world_size:
+    # With no prompt source the workload rule already speaks; don't pile on.
+    if n_requests and fault.at.request >= n_requests:
+        found.append((at + ("at", "request"),
+                      f"request {fault.at.request} does not exist: the workload has "
+                      f"{n_requests} request(s), numbered from 0"))
+    found += _token_problems(scenario, at, fault)
+    return found + fault_problems(engine, at, fault, rank_checked=replicas > 1)
+
+
+def fault_problems(engine: EngineSpec, at: Loc, fault: FaultSpec, *,
+                   rank_checked: bool = False) -> list[Problem]:
+    """The rules a fault follows on the engine it is injected in, wherever it comes from (a
+    scenario, or a live server's injection route, ``ftkit.serve.control``): its kind is
+    implemented, its rank exists (``rank_checked``: the caller checked it), a sampling fault
+    is on a stage that samples, its params fit its kind, and its kind's own rules."""
+    found: list[Problem] = []
+    spec = kind_spec(fault.kind)
+    # A scenario must never look as if it tested a fault that the injector would skip.
+    if not spec.implemented:
+        found.append((at + ("kind",), f"fault kind '{fault.kind}' is not implemented yet"))
+    if not rank_checked and isinstance(fault.rank, int) and fault.rank >= engine.ranks:
         size = ("engine.tensor_parallel_size" if engine.pipeline_parallel_size == 1 else
                 "engine.tensor_parallel_size times engine.args.pipeline_parallel_size")
+        if engine.replicas > 1:
+            size += " times the data-parallel replicas"
         found.append((at + ("rank",), f"rank {fault.rank} does not exist: the world size "
-                                      f"({size}) is {world_size}"))
+                                      f"({size}) is {engine.ranks}"))
     stages = engine.pipeline_parallel_size
     if stages > 1 and fault.phase == "sample":
         last = range((stages - 1) * engine.tensor_parallel_size, engine.world_size)
@@ -169,16 +185,10 @@ def _fault_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
             found.append((at + ("phase",), f"{where}: only the last stage does ({ranks}); give "
                                            f"phase forward or before, or a rank of the last "
                                            f"stage"))
-    # With no prompt source the workload rule already speaks; don't pile on.
-    if n_requests and fault.at.request >= n_requests:
-        found.append((at + ("at", "request"),
-                      f"request {fault.at.request} does not exist: the workload has "
-                      f"{n_requests} request(s), numbered from 0"))
-    found += _token_problems(scenario, at, fault)
     params, params_problems = _params(at, fault)
     found += params_problems
     for rule in spec.rules:
-        found += rule(at, fault, params, scenario)
+        found += rule(at, fault, params, engine)
     return found
 
 
@@ -186,6 +196,11 @@ def _token_problems(scenario: Scenario, at: Loc, fault: FaultSpec) -> list[Probl
     """The fault's token must be one its request computes: below that request's own
     ``max_tokens`` (a request that does not exist has the workload's)."""
     request = fault.at.request
+    longest = scenario.engine.max_model_len
+    if fault.at.token >= longest:
+        return [(at + ("at", "token"), f"token {fault.at.token} is never computed: "
+                                       f"engine.max_model_len is {longest} (the prompt and "
+                                       f"the output together)")]
     exists = request < scenario.workload.prompt_count()
     max_tokens = scenario.sampling_spec().for_request(request)["max_tokens"] if exists \
         else scenario.workload.max_tokens

@@ -17,8 +17,10 @@ runs any worker method), no new port, no second process. Injection needs three t
   attempt is refused (403) before the engine is reached, and the workers, which read the same
   settings, refuse the call as well;
 * the request carries the shared secret of the server's ``FTKIT_INJECT_SECRET`` (header
-  ``X-Ftkit-Secret``, compared in constant time); a server with injection on and no secret of
-  at least 16 characters refuses to start.
+  ``X-Ftkit-Secret``, compared in constant time, before the body is read); a server with
+  injection on and no secret of at least 16 characters refuses to start. The route passes the
+  secret on, and the workers, which inherit the variable, refuse a plan without it (one that
+  reaches them through vLLM's ``/collective_rpc`` in development mode).
 
 A refused attempt changes nothing. An accepted one is checked by every rank before any rank
 keeps it (a fault one rank cannot inject is planned on none), and logged by the server and by
@@ -37,17 +39,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ftkit.config import CONFIG_KEY, RecoveryConfig
+from ftkit.config import CONFIG_KEY, INJECT_SECRET_ENV, RecoveryConfig
 from ftkit.contracts.plan import FaultPlan, PlannedFault
 from ftkit.errors import FtkitError
-from ftkit.scenario.model import FaultSpec
-from ftkit.serve.state import fired_attempts, served_world_size
+from ftkit.scenario.errors import format_loc
+from ftkit.scenario.model import EngineSpec, FaultSpec
+from ftkit.scenario.rules import fault_problems
+from ftkit.serve.state import fired_attempts
 
 log = logging.getLogger("ftkit")
 
 #: The server's environment variable that holds the shared secret; ``ftkit inject`` reads the
-#: same one.
-SECRET_ENV = "FTKIT_INJECT_SECRET"
+#: same one, and every worker checks it too.
+SECRET_ENV = INJECT_SECRET_ENV
 #: The request header that carries it.
 SECRET_HEADER = "X-Ftkit-Secret"
 #: The shortest secret a server accepts.
@@ -60,8 +64,15 @@ RPC_METHOD = "ftkit_add_live_faults"
 #: this one is in a long recovery, and the client is told to try again.
 RPC_TIMEOUT_S = 60.0
 
-#: The keys a fault's JSON may have.
-FAULT_KEYS = ("kind", "rank", "phase", "times", "params", "request_id", "token", "after_steps")
+#: The keys a fault's JSON may have. ``id``: the client's name for this plan call, which
+#: makes it idempotent (a call repeated with the same id plans nothing more and answers what
+#: the first planned).
+FAULT_KEYS = ("kind", "rank", "phase", "times", "params", "request_id", "token", "after_steps",
+              "id")
+#: The longest body the route reads (a fault is a few hundred bytes).
+MAX_BODY_BYTES = 16 * 1024
+#: The longest plan id.
+MAX_ID_CHARS = 128
 
 
 class Refused(FtkitError):
@@ -69,21 +80,50 @@ class Refused(FtkitError):
 
 
 class BadFault(FtkitError):
-    """A fault that cannot be planned as given (HTTP 400): nothing was changed."""
+    """A fault that cannot be planned as given (HTTP 422): nothing was changed."""
 
 
 class EngineUnavailable(FtkitError):
     """The engine did not answer (HTTP 503): nothing was planned."""
 
 
-def live_fault(body: Any, index: int, world_size: int) -> PlannedFault:
-    """The fault a request's JSON ``body`` describes, as fault ``index`` of the server's live
-    plan; ``BadFault`` naming the field that is wrong."""
+def served_engine(vllm_config: Any) -> EngineSpec:
+    """The engine a server runs, as a scenario's ``engine`` section: what a live fault's
+    rules (``ftkit.scenario.rules.fault_problems``, those of ``ftkit validate``) are checked
+    against. ``vllm_config``: the API server's ``VllmConfig``."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    model = getattr(vllm_config, "model_config", None)
+
+    def size(obj: Any, name: str) -> int:
+        value = getattr(obj, name, 1)
+        return value if isinstance(value, int) and value > 0 else 1
+
+    args: dict[str, Any] = {"pipeline_parallel_size": size(parallel, "pipeline_parallel_size"),
+                            "data_parallel_size": size(parallel, "data_parallel_size")}
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if isinstance(backend, str):
+        args["distributed_executor_backend"] = backend
+    max_len = getattr(model, "max_model_len", None)
+    return EngineSpec.model_validate({
+        "mode": "serve", "tensor_parallel_size": size(parallel, "tensor_parallel_size"),
+        "args": args, **({"max_model_len": max_len} if isinstance(max_len, int)
+                         and max_len > 0 else {})})
+
+
+def live_fault(body: Any, index: int, engine: EngineSpec) -> PlannedFault:
+    """The fault a request's JSON ``body`` describes, as fault ``index`` of the live plan of a
+    server that runs ``engine`` (``served_engine``); ``BadFault`` naming the field that is
+    wrong. The fault follows the rules a scenario's fault follows (``ftkit validate``'s), on
+    this server's engine."""
     if not isinstance(body, Mapping):
         raise BadFault("the request body must be a JSON object")
     unknown = sorted(set(body) - set(FAULT_KEYS))
     if unknown:
         raise BadFault(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(FAULT_KEYS)}")
+    plan_id = body.get("id")
+    if plan_id is not None and (not isinstance(plan_id, str) or not plan_id
+                                or len(plan_id) > MAX_ID_CHARS):
+        raise BadFault(f"id must be a non-empty string of at most {MAX_ID_CHARS} characters")
     key, token, after = body.get("request_id"), body.get("token"), body.get("after_steps")
     if (key is None) == (after is None):
         raise BadFault("give either request_id (with token) or after_steps")
@@ -106,8 +146,15 @@ def live_fault(body: Any, index: int, world_size: int) -> PlannedFault:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
                              for e in exc.errors())
         raise BadFault(problems) from None
-    if spec.rank != "all" and spec.rank >= world_size:
-        raise BadFault(f"rank: {spec.rank} is not a rank of this engine (it has {world_size})")
+    if spec.rank != "all" and spec.rank >= engine.ranks:
+        raise BadFault(f"rank: {spec.rank} is not a rank of this server (it has "
+                       f"{engine.ranks})")
+    problems = fault_problems(engine, (), spec, rank_checked=True)
+    if token is not None and spec.at.token >= engine.max_model_len:
+        problems.append((("token",), f"token {spec.at.token} is never computed: the server's "
+                                     f"max_model_len is {engine.max_model_len}"))
+    if problems:
+        raise BadFault("; ".join(f"{_body_field(loc)}: {message}" for loc, message in problems))
     from ftkit.inject import _pending
 
     planned = PlannedFault(index, spec, request_key=key, after_steps=after)
@@ -119,6 +166,14 @@ def live_fault(body: Any, index: int, world_size: int) -> PlannedFault:
         raise BadFault(f"{spec.kind.value} on the KV cache hits the blocks of a request: give "
                        f"request_id and token, or another params.region")
     return planned
+
+
+def _body_field(loc: tuple[Any, ...]) -> str:
+    """The field of the route's body a scenario rule's location names (the body has
+    ``token`` where a scenario has ``at.token``)."""
+    if loc[:1] == ("at",):
+        loc = loc[1:]
+    return format_loc(loc) if loc else "body"
 
 
 def describe(fault: PlannedFault) -> dict[str, Any]:
@@ -138,7 +193,8 @@ class Control:
     engine_client: Any
     config: RecoveryConfig | None
     secret: str | None
-    world_size: int = 1
+    #: The engine it runs, as a scenario's ``engine`` section (``served_engine``).
+    engine: EngineSpec = field(default_factory=lambda: EngineSpec(mode="serve"))
     planned: int = 0
     #: Every live fault planned (``inject``), in order.
     faults: list[PlannedFault] = field(default_factory=list)
@@ -147,6 +203,8 @@ class Control:
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()
+        #: The plan calls that named an id: their body, and the call to the engine.
+        self._by_id: dict[str, tuple[Mapping[str, Any], asyncio.Future[dict[str, Any]]]] = {}
 
     @classmethod
     def of_server(cls, engine_client: Any, additional_config: Mapping[str, Any] | None,
@@ -156,17 +214,14 @@ class Control:
         raw = (additional_config or {}).get(CONFIG_KEY)
         config = None if raw is None else RecoveryConfig.from_mapping(raw)
         secret = environ.get(SECRET_ENV) or None
-        if config is not None and config.injection:
-            if not config.enabled:
-                raise FtkitError(f"{CONFIG_KEY}.injection needs {CONFIG_KEY}.enabled: true "
-                                 f"(faults are injected by the recovery engine)")
+        if config is not None and config.injection:  # (from_mapping: recovery is on)
             if secret is None or len(secret) < MIN_SECRET_CHARS:
                 raise FtkitError(
                     f"{CONFIG_KEY}.injection is true but {SECRET_ENV} is "
                     f"{'unset' if secret is None else 'too short'}: set it in the server's "
                     f"environment to a secret of at least {MIN_SECRET_CHARS} characters")
-        parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
-        return cls(engine_client, config, secret, served_world_size(parallel))
+        return cls(engine_client, config, secret,
+                   served_engine(getattr(engine_client, "vllm_config", None)))
 
     @property
     def enabled(self) -> bool:
@@ -187,26 +242,59 @@ class Control:
                           f"reads {SECRET_ENV} or --secret)")
 
     async def inject(self, body: Any, presented: str | None) -> dict[str, Any]:
-        """Plan the fault of ``body`` on every rank; what was planned. ``Refused``,
-        ``BadFault`` or ``EngineUnavailable`` when nothing was planned."""
+        """Plan the fault of ``body`` on every rank; what was planned. ``Refused`` or
+        ``BadFault`` when nothing was planned; ``EngineUnavailable`` when the engine did not
+        take it (the answer says whether it may still: a call that reached the engine and
+        timed out keeps its index, and the same call repeated with the same ``id`` answers
+        its outcome, never plans it twice)."""
         self.check_secret(presented)
         if self.engine_client is None:
             raise EngineUnavailable("this server has no engine")
+        plan_id = body.get("id") if isinstance(body, Mapping) else None
         async with self._lock:  # indices in order; the check and the plan are not interleaved
-            fault = live_fault(body, self.planned, self.world_size)
-            plan = FaultPlan(None, (fault,)).to_json()
-            errors = await self._call(plan, check_only=True)
-            if errors:
-                raise BadFault("; ".join(errors))
-            errors = await self._call(plan, check_only=False)
-            if errors:  # a rank that passed the check cannot fail here; say so if it does
-                raise EngineUnavailable("ranks disagreed on a checked fault: " +
-                                        "; ".join(errors))
-            self.planned += 1
-            self.faults.append(fault)
-        planned = describe(fault)
+            earlier = self._by_id.get(plan_id) if isinstance(plan_id, str) else None
+            if earlier is not None:
+                if dict(earlier[0]) != dict(body):
+                    raise BadFault(f"id {plan_id!r} named another fault before; give this one "
+                                   f"an id of its own")
+                call, repeated = earlier[1], True
+            else:
+                fault = live_fault(body, self.planned, self.engine)
+                plan = FaultPlan(None, (fault,)).to_json()
+                errors = await self._call(plan, check_only=True)
+                if errors:
+                    raise BadFault("; ".join(errors))
+                # From here the index is spent: a call the engine answers too late still
+                # plans the fault, and no other fault may take its index.
+                self.planned += 1
+                call, repeated = asyncio.ensure_future(self._plan(fault, plan, plan_id)), False
+                if plan_id is not None:
+                    self._by_id[plan_id] = (dict(body), call)
+            try:
+                planned = await asyncio.wait_for(asyncio.shield(call), RPC_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                again = ("send the same call again (same id) for its outcome" if plan_id else
+                         "a call with an id can be repeated safely")
+                raise EngineUnavailable(
+                    f"the engine did not answer within {RPC_TIMEOUT_S:.0f} s (a long recovery "
+                    f"may be running): the fault may still be planned; {again}") from None
+            except EngineUnavailable:
+                if plan_id is not None and self._by_id.get(plan_id, (None, None))[1] is call:
+                    del self._by_id[plan_id]  # not planned: the id may be used again
+                raise
+        return {"planned": planned, "repeated": True} if repeated else {"planned": planned}
+
+    async def _plan(self, fault: PlannedFault, plan: str, plan_id: str | None
+                    ) -> dict[str, Any]:
+        """Plan checked ``fault`` on every rank (unbounded: ``inject`` bounds its wait, and a
+        late answer still counts)."""
+        errors = await self._call(plan, check_only=False, bounded=False)
+        if errors:  # a rank that passed the check cannot fail here; say so if it does
+            raise EngineUnavailable("ranks disagreed on a checked fault: " + "; ".join(errors))
+        self.faults.append(fault)
+        planned = describe(fault) | ({"id": plan_id} if plan_id is not None else {})
         log.warning("ftkit: planned live fault %s", planned)
-        return {"planned": planned}
+        return planned
 
     async def replan(self, engine: Any) -> None:
         """Give ``engine``, which replaces a dead one (``ftkit.vllm.restart`` calls this before
@@ -239,11 +327,13 @@ class Control:
         log.warning("ftkit: live fault(s) %s planned again on the new engine (not fired, or "
                     "not all their attempts, before the engine died)", [f.index for f in again])
 
-    async def _call(self, plan: str, *, check_only: bool, engine: Any = None) -> list[str]:
+    async def _call(self, plan: str, *, check_only: bool, engine: Any = None,
+                    bounded: bool = True) -> list[str]:
         client = self.engine_client if engine is None else engine
         try:
             answers = await asyncio.wait_for(
-                client.collective_rpc(RPC_METHOD, args=(plan, check_only)), RPC_TIMEOUT_S)
+                client.collective_rpc(RPC_METHOD, args=(plan, check_only, self.secret)),
+                RPC_TIMEOUT_S if bounded else None)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"the engine did not take the fault within "
                                     f"{RPC_TIMEOUT_S:.0f} s (a long recovery may be running); "

@@ -41,7 +41,7 @@ import psutil
 
 from ftkit import procs
 from ftkit.bounds import ENGINE_START_TRACK_S, REAP_GRACE_S, VLLM_EXECUTE_TIMEOUT_DEFAULT_S
-from ftkit.config import RecoveryConfig
+from ftkit.config import INJECT_SECRET_ENV, RecoveryConfig
 from ftkit.contracts.eventlog import FaultFired, RecoveryRound, only, read_events
 from ftkit.contracts.job import EngineRestart, SamplingSpec
 from ftkit.contracts.plan import FaultPlan
@@ -271,7 +271,10 @@ class EngineSession:
         self._send_plan(plan)
 
     def _send_plan(self, plan: FaultPlan) -> None:
-        self.llm.collective_rpc("ftkit_set_fault_plan", args=(plan.to_json(),))
+        # The workers inherit this process's environment: where it has an injection secret,
+        # they ask for it (``ftkit.vllm.worker.secret_problem``).
+        self.llm.collective_rpc("ftkit_set_fault_plan",
+                                args=(plan.to_json(), os.environ.get(INJECT_SECRET_ENV)))
 
     def reset_prefix_cache(self) -> None:
         """Forget the KV blocks cached from earlier workloads, so that one workload cannot

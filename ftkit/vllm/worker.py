@@ -9,12 +9,13 @@ lost KV), and the records each rank writes to its event log.
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import os
 from typing import Any
 
 from ftkit.backends.platforms import backend_class
-from ftkit.config import RecoveryConfig
+from ftkit.config import INJECT_SECRET_ENV, RecoveryConfig
 from ftkit.contracts.eventlog import (
     Event,
     EventLog,
@@ -53,6 +54,19 @@ def make_backend(rank: int, store: Any) -> Any:
 
     return backend_class(current_platform.device_type)(rank, store)
 
+
+def secret_problem(presented: str | None, environ: Any = os.environ) -> str | None:
+    """Why a worker refuses a fault plan, or ``None``: where its process has an injection
+    secret (``INJECT_SECRET_ENV``: a server with injection on, whose workers inherit it), a
+    plan must present it. ftkit's route passes it on; a plan that reaches the workers
+    another way (vLLM's ``/collective_rpc`` under ``VLLM_SERVER_DEV_MODE=1``) has none."""
+    expected = environ.get(INJECT_SECRET_ENV)
+    if not expected:
+        return None
+    if presented is None or not hmac.compare_digest(presented.encode(), expected.encode()):
+        return (f"a fault plan without this server's secret ({INJECT_SECRET_ENV}) is refused: "
+                f"plan faults through ftkit's route (ftkit inject)")
+    return None
 
 class FtkitWorker:
     """Owns one rank's recovery engine, fault injector and event log."""
@@ -109,10 +123,14 @@ class FtkitWorker:
 
     # --- control (called through collective_rpc) ----------------------------------------------
 
-    def set_fault_plan(self, plan_json: str) -> None:
+    def set_fault_plan(self, plan_json: str, secret: str | None = None) -> None:
         """Plan the faults of a ``FaultPlan`` (its ``to_json``); its ``max_reinference`` (if
         set) applies from this run on. Reached through ``collective_rpc``
-        (``ftkit_set_fault_plan``), so every rank gets the same plan."""
+        (``ftkit_set_fault_plan``), so every rank gets the same plan. ``secret``: the
+        injection secret, where this process has one (``secret_problem``)."""
+        problem = secret_problem(secret)
+        if problem is not None:
+            raise InjectionError(problem)
         plan = FaultPlan.from_json(plan_json)
         self._ready()
         assert self.injector is not None and self.coordinator is not None
@@ -128,7 +146,8 @@ class FtkitWorker:
                                  f"{max_reinference!r}")
             self.coordinator.max_reinference = max_reinference
 
-    def add_live_faults(self, plan_json: str, check_only: bool = False) -> dict[str, Any]:
+    def add_live_faults(self, plan_json: str, check_only: bool = False,
+                        secret: str | None = None) -> dict[str, Any]:
         """Add the live faults of a ``FaultPlan`` (its ``to_json``) that ``ftkit inject``
         planned in a running server; the faults already pending stay. Reached through
         ``collective_rpc`` (``ftkit_add_live_faults``) from ftkit's server route
@@ -136,10 +155,16 @@ class FtkitWorker:
         Refused unless this engine's settings say ``injection: true``. Answers
         ``{"rank", "error"}`` (``error``: ``None`` when planned) rather than raising, so a
         refused fault never reaches vLLM as a failed call. ``check_only``: only whether this
-        rank could inject them (the route asks every rank before any rank keeps them)."""
+        rank could inject them (the route asks every rank before any rank keeps them);
+        ``secret``: the server's injection secret, which the route passes on
+        (``secret_problem``)."""
         if not self.config.injection:
             return {"rank": self.served_rank,
                     "error": "injection is not enabled in this engine's fault_tolerance settings"}
+        problem = secret_problem(secret)
+        if problem is not None:
+            log.warning("ftkit: rank %d refused live faults: %s", self.served_rank, problem)
+            return {"rank": self.served_rank, "error": problem}
         try:
             plan = FaultPlan.from_json(plan_json)
             self._ready()

@@ -227,6 +227,18 @@ def test_fault_request_indexes_the_requests_and_its_token_their_own_max_tokens()
     assert "workload.max_tokens is 8" in message
 
 
+def test_a_fault_token_past_the_engines_longest_sequence_is_refused():
+    """max_tokens may ask for more than the engine holds (vLLM stops the request at
+    max_model_len): a fault at a token past it would never fire, and is refused."""
+    text = (BASE.replace("  max_tokens: 8\n", "  max_tokens: 900\n")
+            .replace("token: 3}", "token: 600}") + "engine: {max_model_len: 512}\n")
+    [(line, field, message)] = errors(text)
+    assert (line, field) == (14, "faults[0].at.token")
+    assert message == ("token 600 is never computed: engine.max_model_len is 512 (the prompt "
+                       "and the output together)")
+    load(text.replace("token: 600}", "token: 500}"))
+
+
 # --- workload.sampling holds no version 1 field ----------------------------------------------
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 4), ("temperature", 0.5),

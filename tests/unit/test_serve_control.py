@@ -13,11 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from ftkit.config import INJECT_SECRET_ENV
 from ftkit.contracts.plan import FaultPlan, PlannedFault
-from ftkit.contracts.requests import (ServedRequestRef, parse_served_request_id, resumed_offset,
-                                     served_request_matches)
+from ftkit.contracts.requests import (ServedRequestRef, parse_served_request_id, request_id,
+                                     resumed_offset, served_request_matches)
 from ftkit.contracts.step import RpcKind
 from ftkit.errors import FtkitError, InjectionError
+from ftkit.scenario.model import FaultSpec
 from ftkit.serve import control
 from ftkit.serve.client import InjectRefused, inject_live_fault
 from ftkit.serve.control import BadFault, Control, EngineUnavailable, Refused, live_fault
@@ -31,18 +33,38 @@ class Engine:
     """A stand-in ``EngineClient``: records ``collective_rpc`` calls; each rank answers what
     ``answers`` says (``None``: planned)."""
 
-    def __init__(self, world_size=2, errors=None, delay_s=0.0):
+    def __init__(self, world_size=2, errors=None, delay_s=0.0, plan_delays_s=()):
         self.calls = []
         self.errors = errors or {}
         self.delay_s = delay_s
-        self.vllm_config = SimpleNamespace(
-            parallel_config=SimpleNamespace(world_size=world_size))
+        #: The delays of the first plan calls (later ones: ``delay_s``).
+        self.plan_delays_s = list(plan_delays_s)
+        self.vllm_config = vllm_config(world_size)
         self.world_size = world_size
+        #: The plans every rank holds (those of calls that were not only checks).
+        self.planned = []
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append((method, args))
-        await asyncio.sleep(self.delay_s)
+        plan, check_only, _secret = args
+        late = self.plan_delays_s.pop(0) if self.plan_delays_s and not check_only else None
+        await asyncio.sleep(self.delay_s if late is None else late)
+        if not check_only and not self.errors:
+            self.planned += [f.index for f in FaultPlan.from_json(plan).faults]
         return [{"rank": r, "error": self.errors.get(r)} for r in range(self.world_size)]
+
+
+def vllm_config(tp=2, pp=1, dp=1, max_model_len=512):
+    """The parts of a server's ``VllmConfig`` the route reads."""
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                        data_parallel_size=dp, world_size=tp * pp,
+                                        distributed_executor_backend="mp"),
+        model_config=SimpleNamespace(max_model_len=max_model_len))
+
+
+def engine(tp=2, **kwargs):
+    return control.served_engine(vllm_config(tp, **kwargs))
 
 
 def control_of(additional=ON, engine=None, secret=SECRET):
@@ -93,7 +115,7 @@ def test_an_accepted_fault_is_checked_on_every_rank_then_planned():
     assert answer == {"planned": {"index": 0, "kind": "link_break", "rank": 1,
                                   "phase": "forward", "times": 1, "params": {},
                                   "request_id": "client-7", "token": 4}}
-    assert [(m, check) for m, (_, check) in engine.calls] == [
+    assert [(m, check) for m, (_, check, _) in engine.calls] == [
         (control.RPC_METHOD, True), (control.RPC_METHOD, False)]
     plan = FaultPlan.from_json(engine.calls[1][1][0])
     assert plan.run_id is None
@@ -109,7 +131,7 @@ def test_a_fault_one_rank_cannot_inject_is_planned_on_none():
     ctl = control_of(engine=engine)
     with pytest.raises(BadFault, match="rank 1: uce cannot be injected here"):
         run(ctl.inject(FAULT, SECRET))
-    assert [check for _, (_, check) in engine.calls] == [True]  # no second call
+    assert [check for _, (_, check, _) in engine.calls] == [True]  # no second call
     assert ctl.planned == 0
 
 
@@ -131,7 +153,7 @@ def test_an_engine_that_does_not_answer_is_unavailable(monkeypatch):
     ({"kind": "hang", "rank": 0, "after_steps": -1}, "after_steps must be an integer >= 0"),
     ({**FAULT, "request_id": ""}, "non-empty string"),
     ({**FAULT, "kind": "meteor"}, "kind"),
-    ({**FAULT, "rank": 2}, "rank: 2 is not a rank of this engine"),
+    ({**FAULT, "rank": 2}, "rank: 2 is not a rank of this server"),
     ({**FAULT, "times": 0}, "times"),
     ({**FAULT, "phase": "later"}, "phase"),
     ({**FAULT, "kind": "hang", "params": {"op_timeout": 1}}, "op_timeout"),
@@ -139,12 +161,171 @@ def test_an_engine_that_does_not_answer_is_unavailable(monkeypatch):
 ])
 def test_a_bad_fault_is_refused_naming_the_field(body, message):
     with pytest.raises(BadFault, match=message):
-        live_fault(body, 0, world_size=2)
+        live_fault(body, 0, engine(2))
+
+
+@pytest.mark.parametrize(("body", "tp", "message"), [
+    # The kinds' own rules, as ftkit validate runs them on a scenario (issue 39's review:
+    # each was accepted, and failed at fire time or did nothing).
+    ({"kind": "uce", "rank": 0, "phase": "before", "request_id": "c", "token": 0,
+      "params": {"region": "kv"}}, 1, "token: before its prefill a request holds no KV"),
+    ({"kind": "process_kill", "rank": 0, "times": 3, "after_steps": 1}, 1,
+     "times: a killed process fails no further attempt"),
+    ({"kind": "link_break", "rank": 0, "after_steps": 1}, 1, "kind: link faults need a peer"),
+    ({"kind": "link_flap", "rank": 0, "after_steps": 1}, 2, "times: a flap repeats"),
+    ({"kind": "node_loss", "rank": 0, "after_steps": 1}, 2, "needs vLLM's Ray executor"),
+    # A token the server never computes.
+    ({**FAULT, "token": 512}, 2, "token: token 512 is never computed: the server's "
+                                 "max_model_len is 512"),
+    ({**FAULT, "id": ""}, 2, "id must be a non-empty string"),
+])
+def test_a_live_fault_follows_the_rules_of_a_scenarios_fault(body, tp, message):
+    with pytest.raises(BadFault, match=message):
+        live_fault(body, 0, engine(tp))
+
+
+def test_the_rules_see_the_servers_own_engine():
+    """Pipeline stages, replicas and the length come from the server's configuration: a
+    sampling fault on a stage that does not sample is refused, a rank of the second replica
+    is a rank of the server."""
+    two_stages = engine(1, pp=2)
+    with pytest.raises(BadFault, match="phase: rank 0 is on pipeline stage 0 of 2"):
+        live_fault({**FAULT, "kind": "oom", "rank": 0, "phase": "sample"}, 0, two_stages)
+    live_fault({**FAULT, "kind": "oom", "rank": 1, "phase": "sample"}, 0, two_stages)
+    replicas = engine(1, dp=2)
+    assert live_fault({**FAULT, "kind": "oom", "rank": 1}, 0, replicas).spec.rank == 1
+    with pytest.raises(BadFault, match="rank: 2 is not a rank of this server .it has 2"):
+        live_fault({**FAULT, "kind": "oom", "rank": 2}, 0, replicas)
+    assert engine(1, max_model_len=4096).max_model_len == 4096
+
+
+def test_a_rule_broken_through_the_route_never_reaches_the_engine():
+    eng = Engine(world_size=1)
+    ctl = control_of(engine=eng)
+    with pytest.raises(BadFault, match="link faults need a peer"):
+        run(ctl.inject({**FAULT, "rank": 0}, SECRET))
+    assert eng.calls == [] and ctl.planned == 0
+
+
+# --- a plan call answered late, and repeated ---------------------------------------------------
+
+def test_a_plan_the_engine_answers_late_keeps_its_index_and_is_never_planned_twice(
+        monkeypatch):
+    """The engine checks the fault in time but takes it after the route stopped waiting (a
+    long recovery): the client hears that it may still be planned; its index is spent, and
+    the same call repeated with its id answers the outcome and plans nothing more. (The route
+    before this said "nothing was planned, try again" and gave the retry the same index: the
+    engine then held the fault twice, both numbered 0.)"""
+    monkeypatch.setattr(control, "RPC_TIMEOUT_S", 0.2)
+    eng = Engine(plan_delays_s=[0.35])
+    ctl = control_of(engine=eng)
+    call = {**FAULT, "id": "plan-1"}
+
+    async def scenario():
+        with pytest.raises(EngineUnavailable, match="may still be planned; send the same call "
+                                                    "again .same id."):
+            await ctl.inject(call, SECRET)
+        assert ctl.planned == 1  # the index is spent
+        again = await ctl.inject(call, SECRET)  # waits for the first call's outcome
+        assert again["repeated"] is True and again["planned"]["index"] == 0
+        assert again["planned"]["id"] == "plan-1"
+        later = await ctl.inject({**FAULT, "id": "plan-2"}, SECRET)
+        assert later["planned"]["index"] == 1 and "repeated" not in later
+        with pytest.raises(BadFault, match="id 'plan-1' named another fault"):
+            await ctl.inject({**call, "token": 9}, SECRET)
+
+    run(scenario())
+    assert eng.planned == [0, 1]  # each fault once, on its own index
+    assert [f.index for f in ctl.faults] == [0, 1]
+
+
+def test_a_plan_without_an_id_answered_late_is_reported_as_possibly_planned(monkeypatch):
+    monkeypatch.setattr(control, "RPC_TIMEOUT_S", 0.1)
+    eng = Engine(plan_delays_s=[0.3])
+    ctl = control_of(engine=eng)
+
+    async def scenario():
+        with pytest.raises(EngineUnavailable, match="may still be planned; a call with an id "
+                                                    "can be repeated safely"):
+            await ctl.inject(FAULT, SECRET)
+        await asyncio.sleep(0.3)  # the late answer comes
+        assert [f.index for f in ctl.faults] == [0]
+        answer = await ctl.inject(FAULT, SECRET)  # a second fault, on an index of its own
+        assert answer["planned"]["index"] == 1
+
+    run(scenario())
+    assert eng.planned == [0, 1]
+
+
+# --- the workers' own check of the secret ----------------------------------------------------
+
+def test_the_route_passes_the_secret_on_to_the_workers():
+    eng = Engine()
+    run(control_of(engine=eng).inject(FAULT, SECRET))
+    assert [args[2] for _, args in eng.calls] == [SECRET, SECRET]
+
+
+@pytest.mark.parametrize(("environ", "presented", "refused"), [
+    ({INJECT_SECRET_ENV: SECRET}, None, True),  # vLLM's /collective_rpc, in dev mode
+    ({INJECT_SECRET_ENV: SECRET}, SECRET[:-1] + "X", True),
+    ({INJECT_SECRET_ENV: SECRET}, SECRET, False),
+    ({}, None, False),  # an offline engine of ftkit's own: no secret, nothing to check
+])
+def test_a_worker_with_a_secret_plans_nothing_without_it(environ, presented, refused):
+    from ftkit.vllm.worker import secret_problem
+
+    problem = secret_problem(presented, environ)
+    assert (problem is not None) is refused
+    if refused:
+        assert "without this server's secret" in problem
+
+
+# --- the HTTP route --------------------------------------------------------------------------
+
+@pytest.fixture
+def route():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from ftkit.serve import routes
+
+    app = FastAPI()
+    app.include_router(routes.router())
+    eng = Engine()
+    app.state.ftkit_control = control_of(engine=eng)
+    with TestClient(app) as client:
+        yield client, eng
+
+
+def test_the_route_checks_the_secret_before_it_reads_the_body(route, monkeypatch):
+    from ftkit.serve import routes
+
+    client, eng = route
+    read = []
+    original = routes._read_body
+
+    async def spy(request):
+        read.append(request)
+        return await original(request)
+
+    monkeypatch.setattr(routes, "_read_body", spy)
+    huge = b"[" + b"0," * (control.MAX_BODY_BYTES) + b"0]"
+    answer = client.post(control.INJECT_PATH, content=huge, headers={"X-Ftkit-Secret": "no"})
+    assert answer.status_code == 403 and read == []  # refused unread
+    answer = client.post(control.INJECT_PATH, content=huge,
+                         headers={"X-Ftkit-Secret": SECRET})
+    assert answer.status_code == 413 and "larger than" in answer.json()["error"]
+    answer = client.post(control.INJECT_PATH, json={**FAULT, "rank": 5},
+                         headers={"X-Ftkit-Secret": SECRET})
+    assert answer.status_code == 422 and "rank: 5" in answer.json()["error"]
+    assert eng.calls == []
+    answer = client.post(control.INJECT_PATH, json=FAULT, headers={"X-Ftkit-Secret": SECRET})
+    assert answer.status_code == 200 and answer.json()["planned"]["index"] == 0
 
 
 def test_a_uce_outside_the_kv_cache_may_be_planned_steps_ahead():
     fault = live_fault({"kind": "uce", "rank": 0, "after_steps": 0,
-                        "params": {"region": "weights"}}, 3, world_size=1)
+                        "params": {"region": "weights"}}, 3, engine(1))
     assert (fault.index, fault.after_steps, fault.live) == (3, 0, True)
 
 
@@ -199,7 +380,7 @@ def test_served_ids_without_the_engines_suffix_when_vllm_is_told_so():
 def live_plan(index=0, *, kind="oom", rank=0, key=None, token=0, after=None, **params):
     spec = live_fault({"kind": kind, "rank": rank, "params": params,
                        **({"request_id": key, "token": token} if key else
-                          {"after_steps": after})}, index, world_size=2).spec
+                          {"after_steps": after})}, index, engine(2)).spec
     return FaultPlan(None, (PlannedFault(index, spec, request_key=key, after_steps=after),))
 
 
@@ -251,8 +432,8 @@ def test_a_new_engine_is_given_the_live_faults_still_to_fire():
     records = {0: RankRecord(rank=0, fired={"0": 1, "1": 1}), 1: RankRecord(rank=1)}
     ctl.read_ranks = lambda: records
     run(ctl.replan(new))
-    [(method, (plan_json, check_only))] = new.calls
-    assert (method, check_only) == (control.RPC_METHOD, False)
+    [(method, (plan_json, check_only, secret))] = new.calls
+    assert (method, check_only, secret) == (control.RPC_METHOD, False, SECRET)
     plan = FaultPlan.from_json(plan_json)
     assert [(f.index, f.fired, f.request_key) for f in plan.faults] == [
         (1, 1, "client-7"), (2, 0, "client-7")]
@@ -317,12 +498,15 @@ def test_a_live_plan_survives_its_json_journey():
 class _Handler(BaseHTTPRequestHandler):
     status = 200
     body = b"{}"
+    location = None
     seen: list = []
 
     def do_POST(self):  # noqa: N802 - http.server's name
         length = int(self.headers["Content-Length"])
         type(self).seen.append((self.path, dict(self.headers), json.loads(self.rfile.read(length))))
         self.send_response(self.status)
+        if self.location:
+            self.send_header("Location", self.location)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
         self.wfile.write(self.body)
@@ -342,10 +526,14 @@ def http_server():
     thread.join(5)
 
 
+ANSWER = {"planned": {"index": 0, "kind": "link_break", "rank": 1, "phase": "forward",
+                      "times": 1, "params": {}, "request_id": "client-7", "token": 4}}
+
+
 def test_the_client_sends_the_secret_and_returns_the_answer(http_server):
     _, url = http_server
-    _Handler.status, _Handler.body = 200, b'{"planned": {"index": 0}}'
-    assert inject_live_fault(url, FAULT, SECRET) == {"planned": {"index": 0}}
+    _Handler.status, _Handler.body = 200, json.dumps(ANSWER).encode()
+    assert inject_live_fault(url, FAULT, SECRET) == ANSWER
     [(path, headers, body)] = _Handler.seen
     assert path == control.INJECT_PATH and body == FAULT
     assert headers[control.SECRET_HEADER] == SECRET
@@ -366,8 +554,88 @@ def test_the_client_reports_a_refusal_with_the_servers_reason(http_server, statu
     assert control.SECRET_HEADER not in _Handler.seen[0][1]
 
 
+def test_the_client_never_follows_a_redirect(http_server):
+    """A redirect to another host would carry the secret along (urllib follows 307 with the
+    same headers): the client stops at it and the other host hears nothing."""
+    other = HTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    try:
+        _, url = http_server
+        _Handler.status, _Handler.body = 307, b"{}"
+        _Handler.location = f"http://127.0.0.1:{other.server_port}{control.INJECT_PATH}"
+        with pytest.raises(FtkitError, match="HTTP 307, a redirect to .*does not follow"):
+            inject_live_fault(url, FAULT, SECRET)
+        assert len(_Handler.seen) == 1  # the first server only
+    finally:
+        _Handler.location = None
+        other.shutdown()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("body", [
+    b'{}', b'{"planned": null}', b'{"planned": {"index": "0", "kind": "oom"}}',
+    b'{"planned": {"index": 0, "kind": "oom", "rank": 0, "phase": "forward", "times": 1}}',
+    b'[1, 2]',
+])
+def test_the_client_refuses_an_answer_no_ftkit_server_gives(http_server, body):
+    _, url = http_server
+    _Handler.status, _Handler.body = 200, body
+    with pytest.raises(FtkitError, match="bad answer from"):
+        inject_live_fault(url, FAULT, SECRET)
+
+
 def test_the_client_reports_an_unreachable_server():
     with pytest.raises(FtkitError, match="cannot reach http://127.0.0.1:9"):
         inject_live_fault("http://127.0.0.1:9", FAULT, None, timeout_s=5)
     with pytest.raises(FtkitError, match="must start with http"):
         inject_live_fault("127.0.0.1:9", FAULT, None)
+
+
+# --- settings that mean nothing without recovery ----------------------------------------------
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"enabled": False, "max_restarts": 3, "standby": True},
+     "fault_tolerance.max_restarts and fault_tolerance.standby need fault_tolerance.enabled: "
+     "true"),
+    ({"enabled": False, "max_restarts": 1}, "fault_tolerance.max_restarts needs "),
+    ({"enabled": False, "injection": True}, "fault_tolerance.injection needs "),
+])
+def test_restart_standby_and_injection_settings_are_refused_with_recovery_off(settings,
+                                                                             message):
+    from ftkit.config import RecoveryConfig
+
+    with pytest.raises(FtkitError, match=message):
+        RecoveryConfig.from_mapping(settings)
+    RecoveryConfig.from_mapping({**settings, "enabled": True, "injection": False})
+
+
+# --- a live fault that cannot act where it fires ----------------------------------------------
+
+def test_a_live_fault_that_cannot_act_is_skipped_and_the_step_runs_on():
+    """A KV UCE planned for a request whose blocks the runner does not hold (the stand-in
+    memory holds none of a served request's) fires and cannot act: the injector says so in a
+    log line and an event, leaves no attempt of it, and the step goes on; the engine does not
+    end (issue 39: such a fault ended the engine and the server exited). A scenario's own fault
+    that cannot act still raises (the run reports it)."""
+    from ftkit.contracts.eventlog import FaultSkipped
+
+    inj = injector()
+    inj.add_live(live_plan(0, kind="uce", key="c-1", token=3, region="kv"))
+    step(inj, 1, {"cmpl-c-1-0-abcd0123": 3})  # phase forward: acts at the forward hook
+    inj.forward_hook()  # no exception: skipped
+    [skipped] = [e for e in inj.events.events if isinstance(e, FaultSkipped)]
+    assert (skipped.index, skipped.kind, skipped.step) == (0, "uce", 1)
+    assert "holds no KV block" in skipped.reason
+    assert [e.index for e in fired(inj)] == [0] and inj.faults[0].fired == 1
+    step(inj, 2, {"cmpl-c-1-0-abcd0123": 3})
+    inj.forward_hook()
+    assert len(fired(inj)) == 1  # not again
+
+    scenario = injector()
+    scenario.set_plan(FaultPlan.from_specs("run2", [FaultSpec.model_validate(
+        {"kind": "uce", "rank": 0, "at": {"request": 0, "token": 3},
+         "params": {"region": "kv"}})]))
+    step(scenario, 1, {request_id("run2", 0) + "-abc": 3})
+    with pytest.raises(InjectionError, match="holds no KV block"):
+        scenario.forward_hook()
