@@ -443,10 +443,16 @@ class Watchdog:
     parent changed) it kills those of the noted processes that are still the same process,
     waits for them, removes the noted paths and the record, and exits. An owner that cleans
     up itself calls ``stop()`` once it has. The watchdog runs in a session of its own, so a
-    Ctrl-C at the owner's terminal does not reach it."""
+    Ctrl-C at the owner's terminal does not reach it.
 
-    def __init__(self, record: str) -> None:
+    ``descendants``: the watchdog also looks at the owner's descendants while it lives (every
+    ``OWNER_WATCH_POLL_S``) and kills those it last saw when the owner is gone: for an owner
+    that becomes another program (``os.execve``: ``ftkit serve`` becoming vLLM's server),
+    which notes nothing."""
+
+    def __init__(self, record: str, *, descendants: bool = False) -> None:
         self.record = record
+        self.descendants = descendants
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -458,7 +464,8 @@ class Watchdog:
             pass
         # Standard output is not passed on: a caller may be waiting for its end (a pipe).
         self._proc = spawn([sys.executable, "-m", "ftkit.procs", "--record", self.record,
-                            "--owner", str(os.getpid())],
+                            "--owner", str(os.getpid()),
+                            *(["--descendants"] if self.descendants else [])],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         return self
 
@@ -517,12 +524,22 @@ def read_watch_record(record: str) -> tuple[list[psutil.Process], list[str]]:
     return processes, paths
 
 
-def watch_owner(record: str, owner_pid: int) -> int:
+def watch_owner(record: str, owner_pid: int, descendants: bool = False) -> int:
     """The watchdog process: wait until the owner ``owner_pid`` (this process's parent) is
-    gone, then clean up what ``record`` lists."""
+    gone, then clean up what ``record`` lists (``descendants``: and the owner's descendants
+    last seen, but this process)."""
+    seen: list[psutil.Process] = []
     while os.getppid() == owner_pid:
+        if descendants:
+            try:
+                seen = [p for p in psutil.Process(owner_pid).children(recursive=True)
+                        if p.pid != os.getpid()]
+            except psutil.Error:
+                pass  # gone: the last look stands
         time.sleep(OWNER_WATCH_POLL_S)
     processes, paths = read_watch_record(record)
+    # (psutil's Process checks, at each signal, that its pid is still the process seen.)
+    processes += [p for p in seen if p not in processes]
     left = wait_gone(kill(processes))
     if left:
         log.warning("ftkit: processes %s of a dead owner did not end", [p.pid for p in left])
@@ -535,8 +552,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description="An engine owner's watchdog (see Watchdog).")
     parser.add_argument("--record", required=True, help="the owner's record file")
     parser.add_argument("--owner", type=int, required=True, help="the owner's pid (the parent)")
+    parser.add_argument("--descendants", action="store_true",
+                        help="kill the owner's descendants last seen, too")
     args = parser.parse_args(argv)
-    return watch_owner(args.record, args.owner)
+    return watch_owner(args.record, args.owner, args.descendants)
 
 
 if __name__ == "__main__":

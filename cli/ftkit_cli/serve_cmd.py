@@ -53,10 +53,19 @@ def serve_command(model: str, options: tuple[str, ...], dry_run: bool) -> None:
             click.echo(f"export {name}={shlex.quote(value)}")
         click.echo(shlex.join(launch.argv))
         return
+    # vLLM's sockets and stores go to a temporary folder of the server's own, removed when
+    # the server is gone, however it ends.
+    own = launch.with_own_temp_folder()
+    launch = own.launch
+    if own.note is not None:
+        err.print(f"ftkit serve: {own.note}", soft_wrap=True, markup=False)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         os.execve(launch.argv[0], list(launch.argv), dict(launch.env))
-    except OSError as exc:
+    except BaseException as exc:  # no server: nothing for the watchdog to wait for
+        own.undo()
+        if not isinstance(exc, OSError):
+            raise
         print_error(err, f"cannot start {launch.argv[0]}: {exc}")
         raise click.exceptions.Exit(EXIT_FAILED) from None

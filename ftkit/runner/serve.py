@@ -98,6 +98,10 @@ class StreamedCompletion:
     #: When each token arrived, seconds after the run's streams were released.
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    #: The text as the client got it, chunk by chunk (with the echo, the prompt's first).
+    text: str = ""
+    #: vLLM's ``stop_reason`` (the stop string or token id that ended it), from its chunks.
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -147,7 +151,10 @@ class Stream:
                               token_times=c.token_times, finish_reason=c.finish_reason,
                               logprobs=c.logprobs,
                               top_logprobs=c.top_logprobs if self.top_k else None,
-                              prompt_logprobs=c.prompt_logprobs)
+                              prompt_logprobs=c.prompt_logprobs,
+                              # (the oracle compares the text of a finished completion)
+                              text=c.text if c.finish_reason is not None else None,
+                              stop_reason=c.stop_reason)
                 for sample, c in enumerate(self.completions)]
 
     def view(self) -> StreamView:
@@ -249,6 +256,12 @@ def _read_chunk(api: str, chunk: Any, stream: Stream, now: float) -> None:
                                          f"{choice.index}")
                     completion.top_logprobs.append(_position(top))
         completion.finish_reason = choice.finish_reason or completion.finish_reason
+        delta = getattr(choice, "delta", None) if api == "chat" else None
+        text = getattr(delta, "content", None) if api == "chat" else choice.text
+        completion.text += text or ""
+        stop = getattr(choice, "stop_reason", None)  # vLLM's field, kept by the client
+        if stop is not None:
+            completion.stop_reason = stop
 
 
 def stream_one(base_url: str, model: str, api: str, key: str, prompt: str,

@@ -11,7 +11,9 @@ workers, which would wait behind the step a recovery blocks.
     {"status": "healthy" | "recovering" | "restarting" | "dead",
      "recovering_since": <unix time the running round began, or null>,
      "ranks": [{"rank": 0, "recovering_since": null, "faults": {"link_break": 1},
-                "rounds": {"recompute": 1}, "updated": <unix time or null>}, ...]}
+                "rounds": {"recompute": 1}, "updated": <unix time or null>}, ...],
+     "restarts_left": <int: a server that replaces a dead engine (max_restarts)>,
+     "standby": "starting" | "warming" | "ready" | "taking-over" | "none" (with standby)}
 
 =============  ======  =====================================================================
 status         HTTP    meaning
@@ -45,14 +47,15 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
 from ftkit.config import CONFIG_KEY, RecoveryConfig
@@ -102,6 +105,10 @@ SERIES = {
     "ftkit_engine_restarts": f"Engine restarts after a rank process died; {_NO_RESTARTS}.",
     "ftkit_resumed_requests": f"Requests resumed from their tokens so far after an engine "
                               f"restart; {_NO_RESTARTS}.",
+    "ftkit_standby_ready": "1 while a warm standby engine (fault_tolerance standby) is started, "
+                           "warmed up and alive, ready to take over; 0 otherwise.",
+    "ftkit_standbys_lost": "Standby engines lost before they took over (one that died, or "
+                           "failed its warm-up); 0 on a server without a standby.",
 }
 
 
@@ -112,14 +119,24 @@ class Health:
     status: str
     recovering_since: float | None = None
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    #: A server that replaces a dead engine: its restarts left, and its warm standby's
+    #: state (``RestartingEngine.standby_state``); ``None`` on other servers.
+    restarts_left: int | None = None
+    standby: str | None = None
 
     @property
     def http_status(self) -> int:
         return HTTP_STATUS[self.status]
 
     def to_json(self) -> dict[str, Any]:
-        return {"status": self.status, "recovering_since": self.recovering_since,
-                "ranks": self.ranks}
+        answer: dict[str, Any] = {"status": self.status,
+                                  "recovering_since": self.recovering_since,
+                                  "ranks": self.ranks}
+        if self.restarts_left is not None:
+            answer["restarts_left"] = self.restarts_left
+        if self.standby is not None:
+            answer["standby"] = self.standby
+        return answer
 
 
 def engine_health(engine_dead: bool, world_size: int, records: dict[int, RankRecord],
@@ -166,10 +183,13 @@ class FtkitCollector(Collector):
         directory = self.directory
         records = read_ranks(directory) if directory is not None else {}
         _, restarts, resumed = engine_restarts(self.engine)
-        return iter(families(EngineSummary.of(records.values()), restarts, resumed))
+        standby, lost = engine_standby(self.engine)
+        return iter(families(EngineSummary.of(records.values()), restarts, resumed,
+                             standby_ready=standby == "ready", standbys_lost=lost))
 
 
-def families(summary: EngineSummary, restarts: int = 0, resumed: int = 0) -> list[Metric]:
+def families(summary: EngineSummary, restarts: int = 0, resumed: int = 0, *,
+             standby_ready: bool = False, standbys_lost: int = 0) -> list[Metric]:
     """ftkit's metric families for ``summary``. Every fault kind and outcome is there from the
     start (at 0), so that a dashboard's series exist before the first fault."""
     faults = CounterMetricFamily("ftkit_faults", SERIES["ftkit_faults"], labels=["kind"])
@@ -193,7 +213,10 @@ def families(summary: EngineSummary, restarts: int = 0, resumed: int = 0) -> lis
             counter("ftkit_exhausted_steps", summary.exhausted),
             counter("ftkit_kv_recomputes", summary.kv_recomputes),
             counter("ftkit_engine_restarts", restarts),
-            counter("ftkit_resumed_requests", resumed)]
+            counter("ftkit_resumed_requests", resumed),
+            GaugeMetricFamily("ftkit_standby_ready", SERIES["ftkit_standby_ready"],
+                              value=1 if standby_ready else 0),
+            counter("ftkit_standbys_lost", standbys_lost)]
 
 
 def engine_restarts(engine_client: Any) -> tuple[bool, int, int]:
@@ -204,6 +227,23 @@ def engine_restarts(engine_client: Any) -> tuple[bool, int, int]:
     return (getattr(engine_client, "restarting", False) is True,
             int(getattr(engine_client, "restarts", 0) or 0),
             int(getattr(engine_client, "resumed_requests", 0) or 0))
+
+
+def engine_standby(engine_client: Any) -> tuple[str | None, int]:
+    """(the warm standby's state, standbys lost) of a server's engine client
+    (``RestartingEngine.standby_state``, ``standbys_lost``); ``(None, 0)`` for one that keeps
+    no standby."""
+    state = getattr(engine_client, "standby_state", None)
+    return (state if isinstance(state, str) else None,
+            int(getattr(engine_client, "standbys_lost", 0) or 0))
+
+
+def restarts_left(engine_client: Any) -> int | None:
+    """How many more times the server replaces a dead engine; ``None`` where it never does."""
+    most = getattr(engine_client, "max_restarts", None)
+    if not isinstance(most, int) or isinstance(most, bool):
+        return None
+    return max(0, most - engine_restarts(engine_client)[1])
 
 
 class ServerHealth:
@@ -221,7 +261,9 @@ class ServerHealth:
         client = self.engine_client
         dead = bool(getattr(client, "errored", False)) if client is not None else False
         records = without_stale_marks(self.state.read()) if self.state is not None else {}
-        return engine_health(dead, self.world_size, records, engine_restarts(client)[0])
+        health = engine_health(dead, self.world_size, records, engine_restarts(client)[0])
+        return replace(health, restarts_left=restarts_left(client),
+                       standby=engine_standby(client)[0])
 
 
 #: The collector this process registered on prometheus' default registry (the one vLLM's

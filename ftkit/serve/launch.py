@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,9 @@ import yaml
 from ftkit.bounds import VLLM_EXECUTE_TIMEOUT_ENV
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.errors import FtkitError
-from ftkit.procs import QUICK_EXIT_ENV
+from ftkit import procs
 from ftkit.model.moe import is_moe_model
+from ftkit.procs import QUICK_EXIT_ENV
 from ftkit.serve.control import MIN_SECRET_CHARS, SECRET_ENV
 from ftkit.vllm.environment import (CPU_ENGINE_ENV, ENGINE_ENV, THREADS_BIND_ENV,
                                     cpu_threads_bind, engine_env, execute_timeout)
@@ -347,6 +349,28 @@ def _merge(into: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 # --- the launch -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class OwnTempFolder:
+    """A launch with a temporary folder of its own (``ServeLaunch.with_own_temp_folder``)."""
+
+    launch: ServeLaunch
+    watchdog: procs.Watchdog
+    #: For the person, where the folder could not go inside ``TMPDIR`` (a path too long for
+    #: vLLM's sockets).
+    note: str | None = None
+
+    def undo(self) -> None:
+        """End the watchdog and remove the folder: the server did not start."""
+        self.watchdog.stop()
+        procs.remove_files([self.launch.env["TMPDIR"]])
+
+
+#: The longest path of a Unix socket (``sockaddr_un.sun_path``, less its final NUL).
+MAX_SOCKET_PATH = 107
+#: Where ``ftkit serve``'s temporary folder goes when ``TMPDIR`` is too deep for it.
+FALLBACK_TEMP = "/tmp"
+
+
+@dataclass(frozen=True)
 class ServeLaunch:
     """What ``ftkit serve`` runs: ``argv`` under ``env`` (the whole environment)."""
 
@@ -362,6 +386,29 @@ class ServeLaunch:
     def shown_env(self) -> dict[str, str]:
         """The values of the variables ftkit reads or sets, as the server will have them."""
         return {k: self.env[k] for k in self.shown if k in self.env}
+
+    def with_own_temp_folder(self) -> OwnTempFolder:
+        """This launch with a temporary folder of the server's own (``TMPDIR``, inside the
+        one it would have used), which a watchdog removes once the server is gone, however
+        it ends (SIGTERM, SIGINT, SIGKILL): vLLM leaves its IPC sockets and its store of the
+        distributed group there, and nothing of vLLM's removes them when its processes are
+        killed. The watchdog also ends the server's processes that outlive it (vLLM's engine
+        core and workers go on running when the server is SIGKILLed). Call it just before
+        this process becomes the server (``os.execve``: the watchdog watches this process's
+        pid); ``OwnTempFolder.undo`` where the server never starts."""
+        parent = self.env.get("TMPDIR") or tempfile.gettempdir()
+        note = None
+        # vLLM names its sockets <TMPDIR>/<uuid4>: a Unix socket path has at most 107 bytes.
+        if len(os.path.join(parent, "ftkit-serve-xxxxxxxx", "x" * 36)) > MAX_SOCKET_PATH:
+            note = (f"the server's temporary folder is in {FALLBACK_TEMP}, not in TMPDIR "
+                    f"({parent}): in it, vLLM's socket paths would be longer than the "
+                    f"{MAX_SOCKET_PATH} bytes a Unix socket path may have")
+            parent = FALLBACK_TEMP
+        folder = tempfile.mkdtemp(prefix="ftkit-serve-", dir=parent)
+        watchdog = procs.Watchdog(os.path.join(folder, "ftkit-watch-record"),
+                                  descendants=True).start()
+        watchdog.note_paths([folder])
+        return OwnTempFolder(replace(self, env={**self.env, "TMPDIR": folder}), watchdog, note)
 
 
 def plan_serve(model: str, options: Sequence[str], environ: Mapping[str, str], *,
@@ -402,6 +449,10 @@ def plan_serve(model: str, options: Sequence[str], environ: Mapping[str, str], *
     env = dict(environ)
     if recovery is not None and recovery.injection:
         _require_secret(env)
+        if env.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() not in ("", "0", "false"):
+            notes.append("VLLM_SERVER_DEV_MODE is set: vLLM's development routes "
+                         "(/collective_rpc, /pause) are open to anyone who reaches the port; "
+                         "ftkit's workers plan no fault through them without the secret")
     notes += _plugins(env, recovery)
     collective = _collective_error_env(platform.get()) if recovering else {}
     # (A server with data parallelism runs one engine of tp ranks per replica; every rank

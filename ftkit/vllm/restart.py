@@ -113,6 +113,10 @@ class RestartingEngine:
         #: A standby started and still running its warm-up request.
         self._warming: Any = None
         self._standby_thread: threading.Thread | None = None
+        #: Where the standby is (``standby_state``), for ``/ftkit/health`` and the log.
+        self._standby_state = "starting" if config.standby else "off"
+        #: Standbys lost (dead before they took over, or failed their warm-up).
+        self.standbys_lost = 0
         if self.standby_wanted:
             self._prepare_standby()
         self.restarts = 0
@@ -134,6 +138,8 @@ class RestartingEngine:
         #: Awaited with each new engine once it serves, before any request goes on there
         #: (ftkit's injection route gives it the live faults still to fire).
         self.on_replaced: list[Callable[[Any], Awaitable[None]]] = []
+        if self._loop is not None and self.standby_wanted:
+            self._watch()  # the standby is watched from the start, requests or not
 
     # --- the engine of the moment -----------------------------------------------------------
 
@@ -310,6 +316,7 @@ class RestartingEngine:
                 _mark_dead(engine)
             if engine.errored and self._replacing is None and self._can_restart():
                 await self._replaced(engine)
+            await self._watch_standby()
 
     async def _replaced(self, dead: Any) -> bool:
         """Wait for ``dead``'s replacement (starting it if this is the first request to see
@@ -336,17 +343,21 @@ class RestartingEngine:
         _end_requests(dead)
         self.restarts += 1
         began = self._death_at = time.monotonic()
+        standby = self._standby_ready()
         log.warning("ftkit: %s died (%s); replacing it (restart %d of %d, %s)",
                     self.name, _death_of(dead), self.restarts, self.max_restarts,
-                    "from the warm standby" if self._standby_ready() else "a new engine")
+                    "from the warm standby" if standby else
+                    "a new engine" if self._standby_thread is None else
+                    "from the standby once it is warm, or a new engine")
         loop = asyncio.get_running_loop()
-        standby = self._standby_ready()
         try:
             if not standby:  # a cold start gets the dead engine's memory and cores first
                 await loop.run_in_executor(None, functools.partial(self._end_dead, dead))
-                log.info("ftkit: the dead engine ended in %.2f s; starting a new one",
-                         time.monotonic() - began)
-            new = await loop.run_in_executor(None, self._take_standby_or_start)
+                log.info("ftkit: the dead engine ended in %.2f s", time.monotonic() - began)
+            # (A standby that died since it was looked at is ended there, and a new engine
+            # started instead: a takeover never hands the requests to a dead engine.)
+            new, standby = await loop.run_in_executor(
+                None, functools.partial(self._take_standby_or_start, dead, not standby))
             for hook in self.on_replaced:
                 try:
                     await hook(new)
@@ -368,6 +379,8 @@ class RestartingEngine:
                                              standby=standby))
             if self.standby_wanted and self._can_restart():
                 self._prepare_standby()
+            elif self.standby_wanted:
+                self._standby_state = "none"
         except Exception as exc:
             log.error("ftkit: the replacement engine did not start: %s", exc)
             raise
@@ -396,49 +409,104 @@ class RestartingEngine:
             try:
                 standby = self._started(False)
             except Exception as exc:  # noqa: BLE001 - a restart then starts an engine itself
+                self._standby_state = "none"
+                self.standbys_lost += 1
                 log.error("ftkit: the standby engine did not start: %s", exc)
                 return
-            self._warming = standby
+            self._warming, self._standby_state = standby, "warming"
             warmed = self._warm_up(standby)
             if self._warming is not standby:
                 return  # the server shut it down meanwhile
-            self._standby, self._warming = standby, None
+            self._warming = None
+            why = ("failed its warm-up request" if warmed is False else
+                   _unfit(standby, self._processes_of(standby)))
+            if why is not None:  # no standby: a replacement starts a new engine
+                self._lose_standby(standby, why)
+                return
+            self._standby, self._standby_state = standby, "ready"
             log.warning("ftkit: the standby engine is ready%s",
                         f" (warmed up in {warmed:.2f} s)" if warmed is not None else "")
 
+        self._standby_state = "starting"
         self._standby_thread = threading.Thread(target=start, name="ftkit-standby",
                                                 daemon=True)
         self._standby_thread.start()
 
-    def _warm_up(self, standby: Any) -> float | None:
+    def _warm_up(self, standby: Any) -> float | bool | None:
         """Run one short request on ``standby`` (in the server's event loop), so that the
         first steps of an engine, which cost seconds (vLLM compiles some of the model's
         operations at its first forward; ftkit's workers assemble their recovery at their
-        first step), come before it takes over, not after. Seconds it took, or ``None``
-        when it could not run (the standby then takes over cold, as before)."""
+        first step), come before it takes over, not after. Seconds it took; ``None`` when
+        there is no event loop to run it in (the standby then takes over cold); ``False``
+        when it failed or outlasted ``WARM_UP_TIMEOUT_S``: an engine that cannot answer one
+        short request is no standby."""
         if self._loop is None:
             return None
         began = time.monotonic()
         future = asyncio.run_coroutine_threadsafe(_one_request(standby), self._loop)
         try:
             future.result(timeout=WARM_UP_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a standby that serves cold is still one
+        except Exception as exc:  # noqa: BLE001 - any failure: no standby
             future.cancel()
-            log.warning("ftkit: the standby engine's warm-up request failed: %r", exc)
-            return None
+            log.error("ftkit: the standby engine's warm-up request failed: %r", exc)
+            return False
         return time.monotonic() - began
 
-    def _standby_ready(self) -> bool:
-        return self._standby is not None
+    @property
+    def standby_state(self) -> str:
+        """``off`` (not asked for), ``starting`` (its engine starts), ``warming`` (its warm-up
+        request runs), ``ready`` (started, warmed up, every process alive when last looked
+        at), ``taking-over``, or ``none`` (lost, or failed its warm-up, and none started
+        since: the next replacement starts a new engine)."""
+        return self._standby_state
 
-    def _take_standby_or_start(self) -> Any:
+    def _standby_ready(self) -> bool:
+        """A standby that can take over now: warmed up, not errored, its processes alive."""
+        standby = self._standby
+        return standby is not None and _unfit(standby, self._processes_of(standby)) is None
+
+    def _take_standby_or_start(self, dead: Any, dead_ended: bool) -> tuple[Any, bool]:
+        """The engine that replaces ``dead``: the standby (waited for while it warms up) if it
+        is fit to (``_unfit``), else a new engine, started cold once ``dead`` is ended (unless
+        ``dead_ended``). ``(engine, from the standby)``."""
         thread = self._standby_thread
         if thread is not None:
             thread.join()
         standby, self._standby, self._standby_thread = self._standby, None, None
         if standby is not None:
-            return standby
-        return self._started(True)
+            why = _unfit(standby, self._processes_of(standby))
+            if why is None:
+                self._standby_state = "taking-over"
+                return standby, True
+            self._lose_standby(standby, why)
+        if not dead_ended:
+            self._end_dead(dead)
+        return self._started(True), False
+
+    def _lose_standby(self, standby: Any, why: str) -> None:
+        """``standby`` cannot take over (``why``): end it, and say so."""
+        self.standbys_lost += 1
+        self._standby_state = "none"
+        log.error("ftkit: the standby engine %s: it is ended, and the server has no standby "
+                  "until a new one is ready", why)
+        self._end_dead(standby)
+
+    async def _watch_standby(self) -> None:
+        """End the ready standby if it died since it was last looked at, and start another
+        while restarts are left (a standby lost counts no restart: the serving engine still
+        serves; at most ``max_restarts`` standbys are started again, so that one that dies at
+        every start does not start for ever)."""
+        standby = self._standby
+        if standby is None or self._replacing is not None:
+            return
+        why = _unfit(standby, self._processes_of(standby))
+        if why is None:
+            return
+        self._standby = None
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self._lose_standby, standby, why))
+        if self._can_restart() and self.standbys_lost <= self.max_restarts:
+            self._prepare_standby()
 
 
 #: The shared memory segments of the engines this server process started: removed when it
@@ -543,6 +611,16 @@ class _Processes:
                 self.dead = f"pid {proc.pid}"
                 return True
         return False
+
+
+def _unfit(engine: Any, processes: _Processes) -> str | None:
+    """Why ``engine`` (a standby) cannot serve, or ``None``: it errored (vLLM saw its engine
+    core die), or one of its processes is gone."""
+    if getattr(engine, "errored", False) is True:
+        return "errored (its engine core died)"
+    if processes.one_died():
+        return f"lost a process ({processes.dead})"
+    return None
 
 
 async def _hold(engine: Any) -> bool:

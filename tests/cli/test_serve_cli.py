@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -120,6 +121,11 @@ def test_without_dry_run_it_becomes_the_server(monkeypatch):
     assert path == sys.executable and argv == command
     assert {k: env[k] for k in shown} == shown
     assert env["PATH"] == os.environ["PATH"]  # the rest of the environment goes along
+    # A temporary folder of the server's own, in the one it would have had; with no server
+    # started (here, the replacement failed), it is removed at once.
+    own = env["TMPDIR"]
+    assert os.path.dirname(own) == tempfile.gettempdir()
+    assert os.path.basename(own).startswith("ftkit-serve-") and not os.path.exists(own)
 
 
 def test_values_already_in_the_environment_are_kept():

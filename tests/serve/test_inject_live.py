@@ -179,17 +179,25 @@ def test_an_injection_without_the_secret_is_refused_and_changes_nothing(
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--kind", "link_break", "--rank", "2", "--after-steps", "0"), "not a rank of this engine"),
+    (("--kind", "link_break", "--rank", "2", "--after-steps", "0"), "not a rank of this server"),
     (("--kind", "no_such_kind", "--rank", "0", "--after-steps", "0"), "kind"),
     (("--kind", "uce", "--rank", "0", "--after-steps", "0"), "request_id and token"),
     (("--kind", "hang", "--rank", "0", "--after-steps", "0", "--params", '{"bogus": 1}'),
      "bogus"),
+    # The kinds' own rules, as ftkit validate has them (issue 39: these were accepted, and
+    # one of them ended the engine at fire time).
+    (("--kind", "uce", "--rank", "0", "--phase", "before", "--request-id", "bad-1",
+      "--token", "0", "--params", '{"region": "kv"}'), "before its prefill"),
+    (("--kind", "process_kill", "--rank", "0", "--times", "3", "--after-steps", "0"),
+     "times must be 1"),
+    (("--kind", "oom", "--rank", "0", "--request-id", "bad-1", "--token", "9999"),
+     "max_model_len"),
 ])
 def test_a_bad_fault_is_refused_with_the_reason(server, args, message):
     before = len(fired(server))
     result = ftkit_inject(server.url, *args)
     assert result.returncode == 2, result.stderr
-    assert "HTTP 400" in result.stderr and message in result.stderr
+    assert "HTTP 422" in result.stderr and message in result.stderr
     time.sleep(0.5)
     assert fired(server)[before:] == []
 

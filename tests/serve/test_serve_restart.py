@@ -355,27 +355,48 @@ def test_zz_once_the_restarts_are_used_up_a_kill_ends_the_streams(server, reques
 
 
 def test_a_warm_standby_takes_over_a_killed_engine(tiny_model, tmp_path):
-    """With ``"standby": true`` a second engine waits, started and idle; once a worker of the
-    serving engine is killed, the standby serves (the server's watch replaces an engine that
-    dies between requests too), with the fault-free run's tokens. Streams that run across the
-    replacement are resumed as above (the same code, tested with a new engine); the takeover
-    time is read from the server's log, not asserted."""
+    """With ``"standby": true`` a second engine waits, started and idle. Its engine core is
+    killed first: the server's watch sees it, ends it, says so in ``/ftkit/health`` and starts
+    another (issue 39: the dead standby was kept as ready, took over at the next death and the
+    streams failed with the restarts used up). Then a worker of the serving engine is killed:
+    the new standby serves (the server's watch replaces an engine that dies between requests
+    too), with the fault-free run's tokens. Streams that run across the replacement are
+    resumed as above (the same code, tested with a new engine); the takeover time is read
+    from the server's log, not asserted. (A standby that dies in the moment between the watch's
+    looks and a takeover: tests/unit/test_restart_watch.py, where that moment can be made.)"""
+    ready = "ftkit: the standby engine is ready (warmed up in "
     with vllm_server(tiny_model, tmp_path / "server.log",
                      fault_tolerance={"enabled": True, "max_restarts": 1, "standby": True},
                      extra_args=("--chat-template", CHAT_TEMPLATE,
                                  "--max-model-len", "2048")) as server:
         # (warmed up: its first steps, seconds of compiling, came before it took over)
-        wait_for_line(server, "ftkit: the standby engine is ready (warmed up in ")
+        wait_for_line(server, ready)
+        assert standby_of(server) == ("ready", 1)
         reference, _ = run_all(server.base_url, "ref", max_tokens=STANDBY_MAX_TOKENS)
         assert all(r["error"] is None for r in reference), reference
         assert len(reference[2]["completions"]) == 2  # n = 2
         stopped = reference[3]["completions"][0]
         assert stopped["finish"] == "stop" and 30 < len(stopped["tokens"]) < 67, stopped
+        kill(server, ENGINE_CORE, serving="newest")  # the standby's
+        wait_for_line(server, "it is ended, and the server has no standby until a new one")
+        assert standby_of(server)[0] in ("none", "starting", "warming"), standby_of(server)
+        deadline = time.monotonic() + 240
+        while server.output().count(ready) < 2:
+            assert time.monotonic() < deadline, "no new standby after the first one died"
+            time.sleep(0.5)
+        assert standby_of(server) == ("ready", 1)  # and no restart used
         kill(server, "Worker_TP1", serving="oldest")
         wait_for_line(server, "ftkit: the new engine serves after")
         runs, _ = run_all(server.base_url, "standby", max_tokens=STANDBY_MAX_TOKENS)
         assert_exact(runs, reference, server)
         assert "replacing it (restart 1 of 1, from the warm standby)" in server.output()
+        assert standby_of(server) == ("none", 0)  # no restart left to back with a standby
+
+
+def standby_of(server: Any) -> tuple[str, int]:
+    """The standby's state and the restarts left, as ``/ftkit/health`` says."""
+    view = json.loads(server.get("/ftkit/health")[1])
+    return view["standby"], view["restarts_left"]
 
 
 def wait_for_line(server: Any, line: str, timeout_s: float = 240.0) -> None:

@@ -327,3 +327,102 @@ def test_a_hold_that_fails_is_undone_and_the_resumes_go_in_unheld(monkeypatch):
     assert asyncio.run(server._replaced(first)) is True
     assert [c for c, _ in calls] == ["pause", "resume"] and server._engine is new
     assert not server._ending  # no hold to end
+
+
+# --- the warm standby ------------------------------------------------------------------------
+
+def _until(condition: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.02)
+
+
+def _with_standby(monkeypatch: Any, engines: list[Any], restarts: int = 1
+                  ) -> tuple[Any, list[Any]]:
+    """A server started with a standby (``engines``: the serving engine, the standby, then
+    any started later), its standby ready (no event loop: no warm-up request); the engines
+    it ended are noted, not ended."""
+    started = iter(engines)
+    server = restart.RestartingEngine(lambda primary: next(started),
+                                      RecoveryConfig(max_restarts=restarts, standby=True))
+    ended: list[Any] = []
+    monkeypatch.setattr(server, "_end_dead", ended.append)
+    monkeypatch.setattr(restart, "_end_requests", lambda engine: None)
+    server._standby_thread.join(10)
+    return server, ended
+
+
+def test_a_standby_that_died_never_takes_over(monkeypatch, core):
+    """Issue 39's first defect: the ready standby's process killed, then the serving engine
+    dies. The replacement sees the standby unfit, ends it and starts a new engine (within the
+    same restart); crippled (the standby taken because it exists, as before), the requests
+    went to the dead standby and the server ended with its restarts used up."""
+    import asyncio
+
+    proc, (w0, w1, _helper) = core
+    first, standby, cold = engine_of(1), engine_of(proc.pid), engine_of(2)
+    server, ended = _with_standby(monkeypatch, [first, standby, cold])
+    assert server.standby_state == "ready" and server._standby_ready()
+    os.kill(w1, signal.SIGKILL)
+    _until(lambda: not server._standby_ready())
+    assert asyncio.run(server._replaced(first)) is True
+    assert server._engine is cold  # a cold start, not the dead standby
+    assert standby in ended and first in ended  # both ended; the cold start came after them
+    assert server.standbys_lost == 1 and server.restarts == 1
+    assert server.standby_state == "none"  # no restart left to back with a standby
+
+
+def test_a_standby_that_dies_while_it_waits_is_replaced(monkeypatch, core):
+    """The watch looks at the standby too: a ready standby that died is ended and another
+    started (no restart used: the serving engine serves on)."""
+    import asyncio
+
+    proc, (w0, _w1, _helper) = core
+    first, standby, second = engine_of(1), engine_of(proc.pid), engine_of(2)
+    server, ended = _with_standby(monkeypatch, [first, standby, second])
+    asyncio.run(server._watch_standby())
+    assert server._standby is standby and ended == []  # alive: left alone
+    os.kill(proc.pid, signal.SIGKILL)  # its engine core
+    proc.wait(10)
+    asyncio.run(server._watch_standby())
+    assert ended == [standby] and server.standbys_lost == 1
+    server._standby_thread.join(10)
+    assert server._standby is second and server.standby_state == "ready"
+    assert server.restarts == 0
+
+
+def test_a_standby_whose_warm_up_failed_is_no_standby(monkeypatch):
+    import asyncio
+
+    first, standby, cold = engine_of(1), engine_of(2), engine_of(1)
+    monkeypatch.setattr(restart.RestartingEngine, "_warm_up", lambda self, engine: False)
+    server, ended = _with_standby(monkeypatch, [first, standby, cold])
+    assert ended == [standby] and server._standby is None
+    assert server.standby_state == "none" and server.standbys_lost == 1
+    assert asyncio.run(server._replaced(first)) is True
+    assert server._engine is cold and ended == [standby, first]
+
+
+def test_an_errored_standby_is_unfit():
+    engine = engine_of(1)
+    processes = restart._Processes([])
+    assert restart._unfit(engine, processes) is None
+    engine.errored = True
+    assert "errored" in restart._unfit(engine, processes)
+
+
+def test_the_health_view_says_where_the_standby_is_and_the_restarts_left():
+    from ftkit.serve import health
+
+    server = SimpleNamespace(errored=False, restarting=False, restarts=1, max_restarts=3,
+                             resumed_requests=2, standby_state="warming", standbys_lost=1)
+    view = health.ServerHealth(server, 1, None).health().to_json()
+    assert (view["status"], view["restarts_left"], view["standby"]) == ("healthy", 2,
+                                                                        "warming")
+    plain = health.ServerHealth(SimpleNamespace(errored=False), 1, None).health().to_json()
+    assert "standby" not in plain and "restarts_left" not in plain
+    samples = {m.name: m.samples[0].value for m in health.families(
+        health.EngineSummary.of([]), standby_ready=True, standbys_lost=1)
+        if m.name in ("ftkit_standby_ready", "ftkit_standbys_lost")}
+    assert samples == {"ftkit_standby_ready": 1, "ftkit_standbys_lost": 1}

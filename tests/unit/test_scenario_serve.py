@@ -252,7 +252,7 @@ def test_token_ids_are_read_from_vllms_token_id_form():
 
 # --- streamed chunks, as vLLM's OpenAI server sends them ------------------------------------
 
-def completion_chunk(index, tokens, *, finish=None, prompt_ids=None):
+def completion_chunk(index, tokens, *, finish=None, prompt_ids=None, text="", stop=None):
     """A completions stream chunk of choice ``index`` as ``openai`` builds it from vLLM's
     JSON (completion/serving.py: ``tokens`` are ``(id, logprob, {id: logprob})``, the top-k
     in vLLM's order; with ``prompt_ids`` the echo: the prompt's positions first)."""
@@ -261,7 +261,8 @@ def completion_chunk(index, tokens, *, finish=None, prompt_ids=None):
     def name(token):
         return f"token_id:{token}"
 
-    choice = {"index": index, "text": "", "finish_reason": finish, "logprobs": {
+    choice = {"index": index, "text": text, "finish_reason": finish, "stop_reason": stop,
+              "logprobs": {
         "text_offset": list(range(len(tokens))),
         "tokens": [name(t) for t, _, _ in tokens],
         "token_logprobs": [lp for _, lp, _ in tokens],
@@ -275,7 +276,7 @@ def completion_chunk(index, tokens, *, finish=None, prompt_ids=None):
                                 choices=[choice])
 
 
-def chat_chunk(index, tokens, *, finish=None, role=None):
+def chat_chunk(index, tokens, *, finish=None, role=None, text="", stop=None):
     from openai.types.chat import ChatCompletionChunk
 
     def entry(token, logprob):
@@ -283,7 +284,8 @@ def chat_chunk(index, tokens, *, finish=None, role=None):
 
     content = [{**entry(t, lp), "top_logprobs": [entry(*p) for p in top.items()]}
                for t, lp, top in tokens]
-    choice = {"index": index, "delta": {"role": role, "content": ""}, "finish_reason": finish,
+    choice = {"index": index, "delta": {"role": role, "content": text},
+              "finish_reason": finish, "stop_reason": stop,
               "logprobs": None if role else {"content": content}}
     return ChatCompletionChunk.construct(id="chatcmpl-1", object="chat.completion.chunk",
                                          created=1, model="m", choices=[choice])
@@ -310,6 +312,22 @@ def n2_top2_prompt2_chunks():
         Completion.construct(id="cmpl-1", object="text_completion", created=1, model="m",
                              choices=[]),
     ]
+
+
+def test_the_text_and_stop_reason_the_client_got_go_to_the_oracle():
+    """Issue 39: the serve oracle compared token ids, logprobs and finish reasons only; the
+    text (which a resume rebuilds) and vLLM's stop_reason are what a client reads too."""
+    chunks = [completion_chunk(0, [(21, -0.5, None)], text="Hel"),
+              completion_chunk(0, [(22, -0.25, None)], text="lo", finish="stop", stop="lo")]
+    [output] = read("completions", chunks, {}).outputs()
+    assert (output.text, output.stop_reason, output.finish_reason) == ("Hello", "lo", "stop")
+    chats = [chat_chunk(0, [(21, -0.5, {})], text="Hi"),
+             chat_chunk(0, [(2, -0.25, {})], text=" there", finish="stop", stop=2)]
+    [chat] = read("chat", chats, {}).outputs()
+    assert (chat.text, chat.stop_reason) == ("Hi there", 2)
+    # Unfinished (the stream broke): no text to compare, as offline.
+    [cut] = read("completions", chunks[:1], {}).outputs()
+    assert cut.text is None
 
 
 def read(api, chunks, sampling):
