@@ -256,8 +256,7 @@ def _read_chunk(api: str, chunk: Any, stream: Stream, now: float) -> None:
                                          f"{choice.index}")
                     completion.top_logprobs.append(_position(top))
         completion.finish_reason = choice.finish_reason or completion.finish_reason
-        delta = getattr(choice, "delta", None) if api == "chat" else None
-        text = getattr(delta, "content", None) if api == "chat" else choice.text
+        text = (getattr(choice.delta, "content", None) if api == "chat" else choice.text)
         completion.text += text or ""
         stop = getattr(choice, "stop_reason", None)  # vLLM's field, kept by the client
         if stop is not None:

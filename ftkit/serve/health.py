@@ -13,7 +13,7 @@ workers, which would wait behind the step a recovery blocks.
      "ranks": [{"rank": 0, "recovering_since": null, "faults": {"link_break": 1},
                 "rounds": {"recompute": 1}, "updated": <unix time or null>}, ...],
      "restarts_left": <int: a server that replaces a dead engine (max_restarts)>,
-     "standby": "starting" | "warming" | "ready" | "taking-over" | "none" (with standby)}
+     "standby": "off" | "starting" | "warming" | "ready" | "taking-over" | "none"}
 
 =============  ======  =====================================================================
 status         HTTP    meaning

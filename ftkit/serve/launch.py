@@ -50,10 +50,10 @@ from typing import Any
 
 import yaml
 
+from ftkit import procs
 from ftkit.bounds import VLLM_EXECUTE_TIMEOUT_ENV
 from ftkit.config import CONFIG_KEY, RecoveryConfig
 from ftkit.errors import FtkitError
-from ftkit import procs
 from ftkit.model.moe import is_moe_model
 from ftkit.procs import QUICK_EXIT_ENV
 from ftkit.serve.control import MIN_SECRET_CHARS, SECRET_ENV

@@ -68,6 +68,7 @@ def secret_problem(presented: str | None, environ: Any = os.environ) -> str | No
                 f"plan faults through ftkit's route (ftkit inject)")
     return None
 
+
 class FtkitWorker:
     """Owns one rank's recovery engine, fault injector and event log."""
 
