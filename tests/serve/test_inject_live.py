@@ -144,25 +144,13 @@ def test_a_fault_planned_for_a_clients_request_is_recovered_exactly(
     assert fired(server)[before:] == [(kind, rank)] * times
 
 
-def test_a_fault_fires_on_exactly_the_request_named(server, reference):
-    """Issue 39: a fault planned for ``X-Request-Id: user`` fired on ``user-2`` (a prefix
-    match). Planned for ``pfx``, it lets ``pfx-0`` ... ``pfx-3`` run untouched, and fires on
-    the request named ``pfx`` itself."""
-    before = len(fired(server))
-    result = ftkit_inject(server.url, "--kind", "device_reset", "--rank", "0",
-                          "--request-id", "pfx", "--token", "7")
-    assert result.returncode == 0, result.stderr
-    assert_exact(streams(server.base_url, "pfx"), reference)
-    assert fired(server)[before:] == []
-    assert_exact([stream(server.base_url, "pfx", PROMPTS[0])], reference[:1])
-    assert fired(server)[before:] == [("device_reset", "0")]
-
-
 def test_a_fault_planned_steps_ahead_hits_the_running_streams(server):
     """Planned while the streams run, through the client's library call (the command takes
-    seconds to start beside four streams on two cores, longer than they run). The streams are
-    long enough for the plan's two calls to the engine to land while they run (at 200 tokens
-    the streams once ended first, and the fault fired in the next test's)."""
+    seconds to start beside four streams on two cores, longer than they run). In two of about
+    six runs the fault landed only after the streams had ended (it fired in the next test's),
+    each time when this test ran right after ``test_a_fault_fires_on_exactly_the_request_named``
+    (its single stream through a device reset); that test now runs after this one. Cause not
+    found: see the issue 39 note."""
     long = 320
     reference = streams(server.base_url, "ahead-ref", max_tokens=long)
     before = len(fired(server))
@@ -177,6 +165,20 @@ def test_a_fault_planned_steps_ahead_hits_the_running_streams(server):
     assert fired(server)[before:] == [("link_break", "0")]
     assert max(len(r["tokens"]) for r in reference) == long
     assert_exact(runs, reference)
+
+
+def test_a_fault_fires_on_exactly_the_request_named(server, reference):
+    """Issue 39: a fault planned for ``X-Request-Id: user`` fired on ``user-2`` (a prefix
+    match). Planned for ``pfx``, it lets ``pfx-0`` ... ``pfx-3`` run untouched, and fires on
+    the request named ``pfx`` itself."""
+    before = len(fired(server))
+    result = ftkit_inject(server.url, "--kind", "device_reset", "--rank", "0",
+                          "--request-id", "pfx", "--token", "7")
+    assert result.returncode == 0, result.stderr
+    assert_exact(streams(server.base_url, "pfx"), reference)
+    assert fired(server)[before:] == []
+    assert_exact([stream(server.base_url, "pfx", PROMPTS[0])], reference[:1])
+    assert fired(server)[before:] == [("device_reset", "0")]
 
 
 @pytest.mark.parametrize(("secret", "why"), [
